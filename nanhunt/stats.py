@@ -1,0 +1,117 @@
+"""Tensor summaries computed on the tensor's own device, with no host synchronisation.
+
+:func:`summarize` turns a floating-point tensor into a fixed-length float64 vector (one row of the
+step's summary matrix); the recorder stacks a step's rows and moves them to the host in a single
+transfer, where :func:`decode` turns a row into a torch-free :class:`~nanhunt.trace.TensorStats`.
+
+Row layout: ``numel, nan, +inf, -inf, zero, finite amax, smallest non-zero finite |x|,
+count of finite |x| above the target max`` followed by a 256-bin histogram of the float32
+exponent field (bin 0: zeros and float32 subnormals; bin 255: inf and NaN; bin k: binade k-127).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .formats import NumberFormat
+from .trace import TensorStats
+
+__all__ = ["ROW_LEN", "decode", "summarize", "summarizable"]
+
+_HEAD = 8
+_BINS = 256
+ROW_LEN = _HEAD + _BINS
+
+_NUMEL, _NAN, _POSINF, _NEGINF, _ZERO, _AMAX, _AMIN, _ABOVE = range(_HEAD)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def summarizable(t: object) -> bool:
+    """Floating-point tensors nanhunt summarises (not integer, bool, complex or fp8 storage)."""
+    return isinstance(t, torch.Tensor) and t.dtype in _FLOATS and not t.is_meta
+
+
+def _exponent_field(f: torch.Tensor) -> torch.Tensor:
+    """float32 exponent field (0..255) of each element; float64 goes through frexp."""
+    if f.dtype == torch.float64:
+        _, e = torch.frexp(f)
+        field = (e.to(torch.int32) + 126).clamp_(0, 254)
+        field = torch.where(f == 0, 0, field)
+        return torch.where(torch.isfinite(f), field, 255)
+    return (f.view(torch.int32) >> 23) & 0xFF
+
+
+@torch.no_grad()
+def summarize(t: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    """One float64 row of statistics for ``t``, on ``t``'s device, without syncing the host."""
+    x = t.detach()
+    device = x.device
+    n = x.numel()
+    if n == 0:
+        row = torch.zeros(ROW_LEN, dtype=torch.float64, device=device)
+        row[_AMIN] = float("inf")
+        return row
+    f = x.reshape(-1)
+    if f.dtype in (torch.float16, torch.bfloat16):
+        f = f.float()  # every fp16/bf16 value is exact in float32, subnormals included
+    hist = torch.bincount(_exponent_field(f).reshape(-1).long(), minlength=_BINS)
+    a = f.abs()
+    nan = torch.isnan(f).sum()
+    neginf = (f == float("-inf")).sum()
+    posinf = hist[_BINS - 1] - nan - neginf
+    zero = (a == 0).sum()
+    finite = a.nan_to_num(nan=0.0, posinf=0.0)
+    amax = finite.amax()
+    amin = torch.where(finite > 0, finite, float("inf")).amin()
+    above = (finite > fmt.max).sum()
+    head = torch.stack(
+        [
+            torch.tensor(float(n), dtype=torch.float64, device=device),
+            nan.double(),
+            posinf.double(),
+            neginf.double(),
+            zero.double(),
+            amax.double(),
+            amin.double(),
+            above.double(),
+        ]
+    )
+    return torch.cat([head, hist.double()])
+
+
+def decode(
+    row: Sequence[float], dtype: str, shape: Sequence[int], fmt: NumberFormat
+) -> TensorStats:
+    """Host-side :class:`TensorStats` from one row made by :func:`summarize`."""
+    vals = [float(v) for v in row[:_HEAD]]
+    counts = [int(v) for v in row[_HEAD:ROW_LEN]]
+    zero = int(vals[_ZERO])
+    nan, posinf, neginf = int(vals[_NAN]), int(vals[_POSINF]), int(vals[_NEGINF])
+    hist: dict[int, int] = {}
+    subnormal32 = counts[0] - zero
+    if subnormal32:
+        hist[-127] = subnormal32
+    for field in range(1, _BINS - 1):
+        if counts[field]:
+            hist[field - 127] = counts[field]
+    underflow = sum(c for e, c in hist.items() if e < fmt.min_normal_binade)
+    flushed = sum(c for e, c in hist.items() if e < fmt.min_subnormal_binade)
+    amax = vals[_AMAX]
+    return TensorStats(
+        dtype=dtype.removeprefix("torch."),
+        shape=list(shape),
+        numel=int(vals[_NUMEL]),
+        nan=nan,
+        posinf=posinf,
+        neginf=neginf,
+        zero=zero,
+        amax=amax,
+        amin=vals[_AMIN],
+        overflow=int(vals[_ABOVE]) + nan + posinf + neginf,
+        underflow=underflow,
+        flushed=flushed,
+        headroom=fmt.headroom_binades(amax),
+        hist=hist,
+    )

@@ -1,0 +1,369 @@
+"""The recorded run as plain, torch-free data: what capture produces and every later stage reads.
+
+A :class:`Trace` can be saved to JSON (``Trace.to_json``), loaded (``Trace.from_json``) and
+rendered again without torch or the user's script. JSON field names are an API, documented in
+docs/report-schema.md; bump :data:`SCHEMA_VERSION` when they change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import NanhuntError
+
+__all__ = [
+    "PHASES",
+    "SCHEMA_VERSION",
+    "Failure",
+    "Finding",
+    "LayerStats",
+    "OpRecord",
+    "RankSummary",
+    "Recommendation",
+    "RunInfo",
+    "ScalerEvent",
+    "StepRecord",
+    "TensorRecord",
+    "TensorStats",
+    "Trace",
+]
+
+SCHEMA_VERSION = 1
+
+#: Phases in execution order within a step.
+PHASES = ("data", "forward", "backward", "loss_scaling", "optimizer")
+
+
+@dataclass
+class TensorStats:
+    """Summary of one tensor's values, judged against a target format.
+
+    ``hist`` maps a binade ``e`` to the count of finite non-zero values with
+    ``2**e <= |x| < 2**(e+1)``; binades below -126 are counted in -127.
+    """
+
+    dtype: str
+    shape: list[int]
+    numel: int
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    zero: int = 0
+    amax: float = 0.0  # largest finite |x|, 0 when there is none
+    amin: float = math.inf  # smallest non-zero finite |x|, inf when there is none
+    overflow: int = 0  # finite values above the target max, plus non-finite values
+    underflow: int = 0  # non-zero finite values below the target's smallest normal
+    flushed: int = 0  # non-zero finite values below the target's smallest subnormal
+    headroom: float = math.inf  # binades from amax to the target max
+    hist: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+    @property
+    def finite_nonzero(self) -> int:
+        return self.numel - self.nonfinite - self.zero
+
+    @property
+    def underflow_fraction(self) -> float:
+        n = self.finite_nonzero
+        return self.underflow / n if n else 0.0
+
+    @property
+    def flushed_fraction(self) -> float:
+        n = self.finite_nonzero
+        return self.flushed / n if n else 0.0
+
+    def merged(self, other: TensorStats | None) -> TensorStats:
+        """Statistics of the union of both tensors' values."""
+        if other is None:
+            return self
+        hist = dict(self.hist)
+        for k, v in other.hist.items():
+            hist[k] = hist.get(k, 0) + v
+        amax = max(self.amax, other.amax)
+        return TensorStats(
+            dtype=self.dtype if self.dtype == other.dtype else "mixed",
+            shape=[],
+            numel=self.numel + other.numel,
+            nan=self.nan + other.nan,
+            posinf=self.posinf + other.posinf,
+            neginf=self.neginf + other.neginf,
+            zero=self.zero + other.zero,
+            amax=amax,
+            amin=min(self.amin, other.amin),
+            overflow=self.overflow + other.overflow,
+            underflow=self.underflow + other.underflow,
+            flushed=self.flushed + other.flushed,
+            headroom=min(self.headroom, other.headroom),
+            hist=hist,
+        )
+
+
+@dataclass
+class TensorRecord:
+    """One observed tensor in one step, in execution order."""
+
+    step: int
+    order: int
+    phase: str
+    module: str  # qualified module name; "" when no module owns it (the loss, a parameter's update)
+    tensor: str  # "input[0]", "output", "output['logits']", "grad_output[0]", "fc.weight.grad", "loss"
+    role: str  # input | output | grad_output | grad_input | param_grad | param | loss | scaled_loss
+    stats: TensorStats
+    mutated: bool = False  # changed in place after it was summarised
+
+
+@dataclass
+class StepRecord:
+    """One training step: an optimizer step, or a step GradScaler skipped."""
+
+    index: int
+    loss: float | None = None
+    scale: float | None = None
+    skipped: bool = False
+    grad_norm: float | None = None  # global L2 norm of unscaled parameter gradients
+    nonfinite: bool = False  # any non-finite value recorded in the step
+    records: int = 0  # how many tensors were summarised
+
+
+@dataclass
+class ScalerEvent:
+    step: int
+    event: str  # backoff | growth
+    scale_before: float
+    scale_after: float
+
+
+@dataclass
+class LayerStats:
+    """One module's value ranges over the recorded steps."""
+
+    module: str
+    type: str
+    calls: int = 0
+    dtypes: list[str] = field(default_factory=list)
+    forward: TensorStats | None = None  # outputs
+    backward: TensorStats | None = None  # gradients w.r.t. outputs
+    param_grad: TensorStats | None = None  # gradients of its own parameters (unscaled)
+    forward_amax_by_step: dict[int, float] = field(default_factory=dict)
+    backward_amax_by_step: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class OpRecord:
+    """One aten op seen while replaying the culprit."""
+
+    index: int
+    op: str
+    phase: str  # forward | backward
+    dtype: str
+    amax: float
+    nonfinite: int
+    numel: int
+    source: str | None = None
+    first_nonfinite: bool = False
+
+
+@dataclass
+class Failure:
+    """Where the first non-finite value on the path to the problem appeared."""
+
+    step: int
+    phase: str
+    module: str
+    tensor: str
+    stats: TensorStats
+    op: str | None = None
+    source: str | None = None  # "path/to/file.py:123"
+    source_line: str | None = None  # that line's text
+    rank: int | None = None
+    detail: str = ""
+
+    def where(self) -> str:
+        parts = [f"step {self.step}", self.phase]
+        if self.module:
+            parts.append(self.module)
+        parts.append(self.tensor)
+        if self.op:
+            parts.append(self.op)
+        return " / ".join(parts)
+
+
+@dataclass
+class Finding:
+    """A diagnosis (severity "error") or an at-risk warning, with the evidence behind it."""
+
+    rule: str
+    kind: str  # overflow | underflow | nan_op | bad_input | exploding_gradient | lr_too_high | loss_scale
+    severity: str  # error | warning | info
+    message: str
+    evidence: list[str] = field(default_factory=list)
+    phase: str | None = None
+    step: int | None = None
+    module: str | None = None
+    tensor: str | None = None
+    score: float = 0.0  # ranking among warnings; larger is worse
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Recommendation:
+    type: str  # init_scale | fp32_module | clip_grad_norm | lower_lr | eps | normalize_input | clamp | fix_data
+    value: Any
+    snippet: str
+    evidence: list[str] = field(default_factory=list)
+    module: str | None = None
+    verified: bool = False
+    verification: str = ""  # what the replay showed, or why it was not checked
+
+
+@dataclass
+class RankSummary:
+    rank: int
+    answered: bool = True
+    first_failure: Failure | None = None
+    steps: list[StepRecord] = field(default_factory=list)
+
+
+@dataclass
+class RunInfo:
+    command: list[str] = field(default_factory=list)
+    script: str = ""
+    python: str = ""
+    torch: str = ""
+    nanhunt: str = ""
+    platform: str = ""
+    device: str = ""
+    dtypes: list[str] = field(default_factory=list)
+    target: str = "float16"
+    world_size: int = 1
+    autocast: bool = False
+    scaler: bool = False
+    started: str = ""
+    finished: str = ""
+    status: str = "complete"  # complete | stopped | crashed | interrupted | running
+    error: str | None = None
+    exit_code: int | None = None
+
+
+@dataclass
+class Trace:
+    """Everything nanhunt learned about a run. Torch-free; see docs/report-schema.md."""
+
+    run: RunInfo = field(default_factory=RunInfo)
+    steps: list[StepRecord] = field(default_factory=list)
+    layers: list[LayerStats] = field(default_factory=list)
+    first_failure: Failure | None = None
+    problem: bool = False  # a real problem (not only facts or warnings) was found
+    diagnosis: Finding | None = None
+    warnings: list[Finding] = field(default_factory=list)
+    recommendations: list[Recommendation] = field(default_factory=list)
+    facts: list[str] = field(default_factory=list)  # non-finite values seen that were not failures
+    scaler_events: list[ScalerEvent] = field(default_factory=list)
+    ops: list[OpRecord] = field(default_factory=list)  # op-level replay of the culprit
+    ranks: list[RankSummary] = field(default_factory=list)
+    snapshot: str | None = None  # file name of the culprit snapshot, beside the report
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def partial(self) -> bool:
+        return self.run.status in ("crashed", "interrupted", "running")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _encode(self)
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trace:
+        if not isinstance(data, dict) or "schema_version" not in data:
+            raise NanhuntError("not a nanhunt report (no schema_version)")
+        version = data["schema_version"]
+        if version != SCHEMA_VERSION:
+            raise NanhuntError(
+                f"report schema version {version} is not supported (this nanhunt reads "
+                f"version {SCHEMA_VERSION})"
+            )
+        try:
+            return _decode(cls, data)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise NanhuntError(f"malformed nanhunt report: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Trace:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise NanhuntError(f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        return cls.from_dict(data)
+
+
+# ----------------------------------------------------------------------------- JSON codec
+# Non-finite floats become the strings "nan", "inf", "-inf" (strict JSON); dict keys become
+# strings and come back as the annotated key type.
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _encode(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "nan"
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): _encode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_encode(v) for v in obj]
+    return obj
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _decode(tp: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _decode(args[0], value) if len(args) == 1 else value
+    if dataclasses.is_dataclass(tp):
+        hints = _HINTS.get(tp) or _HINTS.setdefault(tp, typing.get_type_hints(tp))
+        if not isinstance(value, dict):
+            raise TypeError(f"expected an object for {tp.__name__}")
+        kwargs = {
+            f.name: _decode(hints[f.name], value[f.name])
+            for f in dataclasses.fields(tp)
+            if f.name in value
+        }
+        return tp(**kwargs)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return [_decode(item, v) for v in value]
+    if origin is dict:
+        ktype, vtype = typing.get_args(tp)
+        return {_decode_key(ktype, k): _decode(vtype, v) for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, str):
+            return _NONFINITE[value]
+        return float(value)
+    if tp is int:
+        return int(value)
+    return value
+
+
+def _decode_key(tp: Any, key: str) -> Any:
+    return int(key) if tp is int else key
