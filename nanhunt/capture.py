@@ -1,0 +1,1093 @@
+"""The live session: hooks that see a training step's tensors, and the per-step recorder.
+
+Data flows one way: hooks summarise tensors on their own device (:mod:`nanhunt.stats`) and queue
+the rows; once per step the queued rows cross to the host in one transfer; the host side turns
+them into records, per-module ranges and step records, and asks :mod:`nanhunt.locate` for the
+origin when a step has a problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import fnmatch
+import math
+import sys
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.modules import module as _M
+from torch.optim import optimizer as _O
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import stats as _stats
+from .errors import NanhuntError
+from .formats import NumberFormat, get_format
+from .locate import Rec, find_origin
+from .trace import Failure, LayerStats, ScalerEvent, StepRecord, TensorRecord, TensorStats
+
+__all__ = ["Hunt", "StopRun", "watch"]
+
+_LOCK = threading.Lock()
+_ACTIVE: Hunt | None = None
+
+
+class StopRun(BaseException):
+    """Raised out of a training step to stop the script once the failing step is captured."""
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _autocast_state(device_type: str) -> tuple[bool, torch.dtype | None]:
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return False, None
+        return True, torch.get_autocast_dtype(device_type)
+    except TypeError:  # torch < 2.4 has per-device functions
+        if device_type == "cpu":
+            enabled = torch.is_autocast_cpu_enabled()
+            return enabled, torch.get_autocast_cpu_dtype() if enabled else None
+        enabled = torch.is_autocast_enabled()
+        return enabled, torch.get_autocast_gpu_dtype() if enabled else None
+
+
+def tensor_leaves(obj: Any, path: str, out: list[tuple[str, torch.Tensor]], depth: int = 0) -> None:
+    """Tensors nested in tuples, lists, dicts, named tuples and dataclasses, with their paths."""
+    if isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+    elif depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            tensor_leaves(v, f"{path}[{k!r}]", out, depth + 1)
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        for name in obj._fields:
+            tensor_leaves(getattr(obj, name), f"{path}.{name}", out, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            tensor_leaves(v, f"{path}[{i}]", out, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            tensor_leaves(getattr(obj, f.name, None), f"{path}.{f.name}", out, depth + 1)
+
+
+def _leaves(obj: Any, path: str) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):  # the common case, without the walk
+        return [(path, obj)]
+    out: list[tuple[str, torch.Tensor]] = []
+    tensor_leaves(obj, path, out)
+    return out
+
+
+def _variable_name(obj: object) -> str | None:
+    """The name a user's variable gives ``obj``: __main__'s globals, then the calling frames."""
+    main = sys.modules.get("__main__")
+    for k, v in vars(main).items() if main else ():
+        if v is obj and not k.startswith("_"):
+            return k
+    frame = sys._getframe(1)
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(_THIS_PACKAGE_DIR):
+            for k, v in frame.f_locals.items():
+                if v is obj and k != "self" and not k.startswith("_"):
+                    return k
+        frame = frame.f_back
+    return None
+
+
+_THIS_PACKAGE_DIR = __file__.rsplit("/", 1)[0]
+
+
+# ----------------------------------------------------------------------------- per-step state
+
+
+@dataclass
+class _Meta:
+    """What the host knows about a queued row before its values arrive."""
+
+    step: int
+    order: int
+    phase: str
+    module: str  # blamed module name
+    tensor: str
+    role: str
+    dtype: str
+    shape: tuple[int, ...]
+    owner: str = ""  # module whose per-layer range this row belongs to
+    producer: int | None = None
+    parent: int | None = None
+    consumers: list[int] = field(default_factory=list)
+    consumer_paths: list[str] = field(default_factory=list)
+    mutated: bool = False
+    scale_index: int | None = None  # scalar index of the loss scale in effect (gradients)
+    allowed: bool = False
+
+
+@dataclass
+class _Call:
+    """One module call in the current step (kept to snapshot the culprit)."""
+
+    id: int
+    module: nn.Module
+    name: str
+    parent: int | None
+    args: Any = None
+    kwargs: Any = None
+    autocast: tuple[bool, torch.dtype | None] = (False, None)
+    output_rows: list[int] = field(default_factory=list)
+    input_rows: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Frame:
+    module: nn.Module
+    name: str
+    call: int
+    order: int
+    versions: list[tuple[torch.Tensor, int]]
+
+
+@dataclass
+class _StepData:
+    """Decoded records of one step (kept in the ring buffer)."""
+
+    index: int
+    metas: list[_Meta] = field(default_factory=list)
+    rows: list[np.ndarray] = field(default_factory=list)
+    parents: dict[int, int | None] = field(default_factory=dict)
+    loss: float | None = None
+    scale: float | None = None
+    scale_after: float | None = None
+    found_inf: bool | None = None
+    optimizer_ran: bool = False
+    grad_sumsq: float | None = None
+    problem: str | None = None
+
+
+@dataclass
+class _LayerAcc:
+    module: str
+    type: str
+    calls: int = 0
+    dtypes: set[str] = field(default_factory=set)
+    forward: np.ndarray | None = None
+    backward: np.ndarray | None = None
+    param_grad: np.ndarray | None = None
+    fwd_by_step: dict[int, float] = field(default_factory=dict)
+    bwd_by_step: dict[int, float] = field(default_factory=dict)
+
+
+def _merge_rows(acc: np.ndarray | None, row: np.ndarray) -> np.ndarray:
+    if acc is None:
+        return row.copy()
+    out = acc + row
+    out[5] = max(acc[5], row[5])  # amax
+    out[6] = min(acc[6], row[6])  # amin
+    return out
+
+
+@dataclass
+class Snapshot:
+    """The culprit module with the inputs of its failing call, for replay."""
+
+    module: nn.Module
+    name: str
+    args: Any
+    kwargs: Any
+    grad_outputs: list[torch.Tensor | None] | None
+    autocast: tuple[bool, torch.dtype | None]
+    phase: str
+    step: int
+    stale_inputs: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- the session
+
+
+class Hunt:
+    """Watch training steps and find the first non-finite value, with per-layer ranges.
+
+    Use it as a context manager around one failing step or a whole loop, or call
+    :meth:`start` and :meth:`stop`::
+
+        import torch, nanhunt
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nanhunt.watch(model, opt) as hunt:
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                opt.step()
+        print(hunt.first_failure)          # None: every value was finite
+        print(hunt.steps[-1].loss)         # the last step's loss
+        print(hunt.layers[0].module)       # per-module ranges, execution order
+
+    Reading the result: ``first_failure`` names the step (0-based), the phase (``data``,
+    ``forward``, ``backward``, ``optimizer``, ``loss_scaling``), the module's qualified name
+    as in ``model.named_modules()``, the tensor (``output[0]``, ``grad_input[0]``,
+    ``fc.weight.grad``, ``loss``) and the values' summary. A module is blamed only when its
+    inputs were finite; a non-finite value that a later module absorbed (a ``-inf`` attention
+    mask) is recorded in ``facts``, not blamed. ``layers`` gives each module's forward and
+    backward magnitude ranges, to read against the target format's limits
+    (``headroom`` in binades below its max). ``steps`` has one record per step, including
+    the steps GradScaler skipped.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scaler: Any = None,
+        *,
+        target: str = "float16",
+        keep_steps: int = 64,
+        allow_inf: Iterable[str] = (),
+        sample_every: int = 1,
+        keep_tensors: bool = True,
+        stop_on_problem: bool = False,
+        collapse_scale: float = 1.0,
+    ) -> None:
+        if keep_steps < 1:
+            raise NanhuntError("keep_steps must be at least 1")
+        if sample_every < 1:
+            raise NanhuntError("sample_every must be at least 1")
+        self.format: NumberFormat = get_format(target)
+        self.target = self.format.name
+        self.keep_steps = keep_steps
+        self.allow_inf = tuple(allow_inf)
+        self.sample_every = sample_every
+        self.keep_tensors = keep_tensors
+        self.stop_on_problem = stop_on_problem
+        self.collapse_scale = collapse_scale
+        self._model_ref = weakref.ref(model) if model is not None else None
+        self._optimizer_ref = weakref.ref(optimizer) if optimizer is not None else None
+        self._scaler_ref = weakref.ref(scaler) if scaler is not None else None
+        self._stack: contextlib.ExitStack | None = None
+        self._reset()
+
+    # -- state --------------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self.first_failure: Failure | None = None
+        self.problem: str | None = None
+        self.facts: list[str] = []
+        self.snapshot: Snapshot | None = None
+        self.failure_extra: dict[str, Any] = {}
+        self.scaler_events: list[ScalerEvent] = []
+        self.dtypes: set[str] = set()
+        self.devices: set[str] = set()
+        self.autocast_seen = False
+        self.scaler_seen = False
+        self.grad_hist = np.zeros(_stats.ROW_LEN - 8, dtype=np.float64)
+        self._steps: deque[_StepData] = deque(maxlen=self.keep_steps)
+        self._step_records: dict[int, StepRecord] = {}
+        self._step_order: deque[int] = deque(maxlen=max(self.keep_steps, 10_000))
+        self._layers: dict[str, _LayerAcc] = {}
+        self._names = WeakIdKeyDictionary()  # module -> name
+        self._types: dict[str, str] = {}
+        self._roots: list[tuple[weakref.ref, str]] = []
+        self._primary_set = False
+        self._param_names = WeakIdKeyDictionary()  # parameter -> (name, owner module name)
+        self._param_hooks: list[Any] = []
+        self._skip_streak = 0
+        self._fact_keys: set[tuple[str, str, str]] = set()
+        self._active = False
+        self._step = 0
+        self._problem_steps: list[int] = []
+        self._stop_pending = False
+        self._saw_optimizer = False
+        self._counted_skips: set[int] = set()
+        self._metas: list[_Meta] = []  # this step's rows (and rows still queued from the last)
+        self._flushed = 0  # how many of self._metas have crossed to the host
+        self._pending_rows: list[torch.Tensor] = []
+        self._pending_scalars: list[torch.Tensor] = []
+        self._pending_scalar_keys: list[tuple[int, str]] = []
+        self._begin_step_state()
+
+    def _begin_step_state(self) -> None:
+        self._phase = "forward"
+        self._order = 0
+        self._frames: list[_Frame] = []
+        self._calls: list[_Call] = []
+        self._seen: dict[int, tuple[int, int, Any]] = {}  # id(tensor) -> (meta idx, version, ref)
+        self._grad_handles: list[Any] = []
+        self._grads: dict[int, torch.Tensor] = {}  # meta idx -> gradient (failing-step replay)
+        self._grad_sumsq: dict[int, torch.Tensor] = {}
+        self._metas = self._metas[self._flushed:]
+        self._flushed = 0
+        self._full = self._step % self.sample_every == 0 or bool(self._problem_steps)
+        self._did_backward = False
+        self._scaled_loss_ids: set[int] = set()
+        self._transferred = False
+        self._step_scaler = False
+
+    # -- public API ---------------------------------------------------------------------
+
+    @property
+    def steps(self) -> list[StepRecord]:
+        """One record per step seen (the most recent ``keep_steps`` thousand at most)."""
+        return [self._step_records[i] for i in self._step_order if i in self._step_records]
+
+    @property
+    def layers(self) -> list[LayerStats]:
+        """Per-module forward and backward ranges over the recorded steps, execution order."""
+        return [self._layer_stats(acc) for acc in self._layers.values()]
+
+    @property
+    def step(self) -> int:
+        """Index of the step now being recorded."""
+        return self._step
+
+    def records(self, step: int | None = None) -> list[TensorRecord]:
+        """Decoded tensor records of a step still in the ring buffer (default: the last)."""
+        data = self._find_step(step)
+        if data is None:
+            return []
+        return [self._tensor_record(m, r) for m, r in sorted(
+            zip(data.metas, data.rows), key=lambda mr: mr[0].order)]
+
+    def start(self) -> Hunt:
+        global _ACTIVE
+        with _LOCK:
+            if _ACTIVE is not None:
+                raise NanhuntError("another nanhunt session is already active in this process")
+            _ACTIVE = self
+        try:
+            self._install()
+        except BaseException:
+            with _LOCK:
+                _ACTIVE = None
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Flush the last step, detach every hook and restore everything patched."""
+        global _ACTIVE
+        if self._stack is None:
+            return
+        try:
+            with contextlib.suppress(StopRun):
+                self._flush()
+        finally:
+            self._active = False
+            self._clear_step_handles()
+            self._stack.close()
+            self._stack = None
+            for h in self._param_hooks:
+                h.remove()
+            self._param_hooks = []
+            self._calls = []
+            self._seen = {}
+            self._grads = {}
+            self._names = WeakIdKeyDictionary()
+            self._param_names = WeakIdKeyDictionary()
+            self._roots = []
+            self._model_ref = self._optimizer_ref = self._scaler_ref = None
+            with _LOCK:
+                if _ACTIVE is self:
+                    _ACTIVE = None
+
+    def __enter__(self) -> Hunt:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.stop()
+        if exc is not None and self.first_failure is not None and hasattr(exc, "add_note"):
+            exc.add_note(f"nanhunt: first non-finite value at {self.first_failure.where()}")
+        return False
+
+    def end_step(self) -> None:
+        """Mark a step boundary by hand (for loops that never call an optimizer)."""
+        self._end_step()
+
+    # -- installation -------------------------------------------------------------------
+
+    def _install(self) -> None:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_M.register_module_forward_pre_hook(self._on_pre))
+            stack.enter_context(_M.register_module_forward_hook(self._on_post, with_kwargs=True))
+            stack.enter_context(_O.register_optimizer_step_pre_hook(self._on_opt_pre))
+            stack.enter_context(_O.register_optimizer_step_post_hook(self._on_opt_post))
+            self._patch(stack, torch.Tensor, "backward", self._wrap_backward)
+            scaler_cls = torch.amp.GradScaler
+            self._patch(stack, scaler_cls, "scale", self._wrap_scale)
+            self._patch(stack, scaler_cls, "update", self._wrap_update)
+            self._stack = stack.pop_all()
+        model = self._model_ref() if self._model_ref else None
+        if model is not None:
+            self._add_root(model, primary=True, label=type(model).__name__)
+        self._active = True
+
+    @staticmethod
+    def _patch(stack: contextlib.ExitStack, owner: type, name: str, wrapper: Any) -> None:
+        original = owner.__dict__[name]
+        setattr(owner, name, wrapper(original))
+        stack.callback(setattr, owner, name, original)
+
+    # -- naming -------------------------------------------------------------------------
+
+    def _add_root(self, root: nn.Module, *, primary: bool = False, label: str | None = None) -> None:
+        label = label or _variable_name(root) or type(root).__name__
+        has_params = next(root.parameters(), None) is not None
+        if not self._primary_set and (primary or has_params):
+            primary, self._primary_set = True, True
+        else:
+            primary = False
+        self._roots.append((weakref.ref(root), label))
+        for qual, mod in root.named_modules():
+            if primary:
+                name = qual or label
+            else:
+                name = f"{label}.{qual}" if qual else label
+            self._names[mod] = name
+            self._types[name] = type(mod).__name__
+            for pname, p in mod.named_parameters(recurse=False):
+                if p.requires_grad and p not in self._param_names:
+                    self._param_names[p] = (f"{qual}.{pname}" if qual and primary else
+                                            f"{name}.{pname}", name)
+                    self._param_hooks.append(
+                        p.register_post_accumulate_grad_hook(self._on_param_grad))
+
+    def _name_of(self, module: nn.Module) -> str:
+        name = self._names.get(module)
+        if name is not None:
+            return name
+        if self._frames:
+            # a module created after its root was named: look again, then name it by its class
+            for ref, _label in self._roots:
+                root = ref()
+                if root is not None and any(m is module for m in root.modules()):
+                    self._add_root(root, label=_label)
+                    name = self._names.get(module)
+                    if name is not None:
+                        return name
+            name = f"{self._frames[-1].name}.<{type(module).__name__}>"
+            self._names[module] = name
+            self._types[name] = type(module).__name__
+            return name
+        self._add_root(module)
+        return self._names[module]
+
+    # -- recording ----------------------------------------------------------------------
+
+    def _queue(self, t: torch.Tensor, meta: _Meta) -> int:
+        self._pending_rows.append(_stats.summarize(t, self.format))
+        self._metas.append(meta)
+        self.dtypes.add(meta.dtype)
+        return len(self._metas) - 1
+
+    def _scalar(self, value: torch.Tensor, key: str) -> None:
+        self._pending_scalars.append(value.detach().reshape(-1)[:1].double())
+        self._pending_scalar_keys.append((self._step, key))
+
+    def _next_order(self) -> int:
+        self._order += 1
+        return self._order
+
+    def _lookup(self, t: torch.Tensor) -> int | None:
+        hit = self._seen.get(id(t))
+        if hit is None:
+            return None
+        idx, version, ref = hit
+        obj = ref() if isinstance(ref, weakref.ref) else ref
+        if obj is not t or t._version != version:
+            return None
+        return idx
+
+    def _remember(self, t: torch.Tensor, idx: int) -> None:
+        ref = t if self.keep_tensors else weakref.ref(t)
+        self._seen[id(t)] = (idx, t._version, ref)
+
+    def _allowed(self, module: str, tensor: str) -> bool:
+        return any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(f"{module}.{tensor}", p)
+                   for p in self.allow_inf)
+
+    def _on_pre(self, module: nn.Module, args: tuple) -> None:
+        if not self._active:
+            return
+        if _in_backward():
+            return  # activation-checkpoint recompute
+        if not self._frames and self._did_backward and not self._saw_optimizer \
+                and not self._step_scaler:
+            self._end_step()  # a loop with no optimizer: a new forward starts a new step
+        if not self._full:
+            return
+        name = self._name_of(module)
+        call = len(self._calls)
+        self._calls.append(_Call(call, module, name, self._frames[-1].call if self._frames else None))
+        versions = [(t, t._version) for t in args if isinstance(t, torch.Tensor)]
+        self._frames.append(_Frame(module, name, call, self._next_order(), versions))
+
+    def _pop_frame(self, module: nn.Module) -> _Frame | None:
+        while self._frames:
+            frame = self._frames.pop()
+            if frame.module is module:
+                return frame
+        return None
+
+    def _on_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self._active or not self._full or _in_backward():
+            return
+        frame = self._pop_frame(module)
+        if frame is None:
+            return
+        call = self._calls[frame.call]
+        name, parent = frame.name, call.parent
+        is_root = parent is None
+        mutated_ids = {id(t) for t, v in frame.versions if t._version != v}
+        leaves = _leaves(args, "input")
+        if kwargs:
+            for k, v in kwargs.items():
+                leaves.extend(_leaves(v, f"input[{k!r}]"))
+        grad_on = torch.is_grad_enabled()
+        for path, t in leaves:
+            if not _stats.summarizable(t):
+                continue
+            idx = self._lookup(t)
+            if idx is not None:
+                self._metas[idx].consumers.append(frame.call)
+                self._metas[idx].consumer_paths.append(path)
+                call.input_rows.append(idx)
+                continue
+            mutated = id(t) in mutated_ids
+            data = is_root and t.grad_fn is None and not t.requires_grad
+            where = parent_name = self._calls[parent].name if parent is not None else ""
+            meta = _Meta(
+                step=self._step,
+                order=self._next_order() if mutated else frame.order,
+                phase="data" if data and not mutated else "forward",
+                module=name if (data or mutated) else where,
+                tensor=(f"{path} (changed in place)" if mutated else path) if (data or mutated)
+                else f"{path} of {name}",
+                role="output" if mutated else "input",
+                dtype=str(t.dtype).removeprefix("torch."),
+                shape=tuple(t.shape),
+                owner=name,
+                producer=frame.call if mutated else None,
+                parent=frame.call if mutated else parent,
+                consumers=[] if mutated else [frame.call],
+                consumer_paths=[] if mutated else [path],
+                allowed=self._allowed(name, path) or self._allowed(parent_name, path),
+            )
+            idx = self._queue(t, meta)
+            call.input_rows.append(idx)
+            self._remember(t, idx)
+            if grad_on and t.requires_grad:
+                self._hook_grad(t, idx)
+        outs = _leaves(output, "output")
+        for path, t in outs:
+            if not _stats.summarizable(t):
+                continue
+            idx = self._lookup(t)
+            if idx is not None and self._metas[idx].producer == frame.call:
+                continue
+            meta = _Meta(
+                step=self._step, order=self._next_order(), phase="forward", module=name,
+                tensor=path, role="output", dtype=str(t.dtype).removeprefix("torch."),
+                shape=tuple(t.shape), owner=name, producer=frame.call, parent=parent,
+                allowed=self._allowed(name, path),
+            )
+            idx = self._queue(t, meta)
+            call.output_rows.append(idx)
+            self._remember(t, idx)
+            if grad_on and t.requires_grad:
+                self._hook_grad(t, idx)
+        if self.keep_tensors:
+            call.args, call.kwargs = args, kwargs
+            dev = outs[0][1].device.type if outs else "cpu"
+            call.autocast = _autocast_state(dev)
+            if call.autocast[0]:
+                self.autocast_seen = True
+        self.devices.add(outs[0][1].device.type if outs else "cpu")
+
+    def _hook_grad(self, t: torch.Tensor, idx: int) -> None:
+        self._grad_handles.append(t.register_hook(lambda g, idx=idx: self._on_grad(idx, g)))
+
+    def _grad_meta(self, idx: int, grad: torch.Tensor, step: int) -> _Meta:
+        src = self._metas[idx]
+        if src.consumers:
+            blamed = self._calls[src.consumers[-1]].name
+            tensor = "grad_" + src.consumer_paths[-1]
+        elif src.parent is not None:
+            blamed = self._calls[src.parent].name
+            tensor = f"grad of {src.owner}.{src.tensor}"
+        else:
+            blamed, tensor = "", f"grad of {src.owner}.{src.tensor}"
+        return _Meta(
+            step=step, order=self._next_order(), phase="backward", module=blamed, tensor=tensor,
+            role="grad_input" if src.consumers else "grad_output",
+            dtype=str(grad.dtype).removeprefix("torch."), shape=tuple(grad.shape),
+            owner=src.owner if src.role == "output" else "", producer=None, parent=None,
+            scale_index=1,
+        )
+
+    def _on_grad(self, idx: int, grad: torch.Tensor) -> None:
+        if not self._active or idx >= len(self._metas) or not _stats.summarizable(grad):
+            return
+        self._phase = "backward"
+        self._did_backward = True
+        meta = self._grad_meta(idx, grad, self._step)
+        gidx = self._queue(grad, meta)
+        if self.keep_tensors:
+            self._grads[idx] = grad
+        del gidx
+
+    def _on_param_grad(self, p: torch.Tensor) -> None:
+        if not self._active or p.grad is None:
+            return
+        self._did_backward = True
+        self._phase = "backward"
+        name, owner = self._param_names.get(p, ("<param>", ""))
+        g = p.grad
+        self._grad_sumsq[id(p)] = g.detach().float().pow(2).sum()
+        if not self._full or not _stats.summarizable(g):
+            return
+        self._queue(g, _Meta(
+            step=self._step, order=self._next_order(), phase="backward", module=owner,
+            tensor=f"{name}.grad", role="param_grad", dtype=str(g.dtype).removeprefix("torch."),
+            shape=tuple(g.shape), owner=owner, scale_index=1,
+        ))
+
+    def _record_loss(self, loss: torch.Tensor, role: str) -> None:
+        if not _stats.summarizable(loss):
+            return
+        self._scalar(loss.detach().float().mean() if loss.numel() != 1 else loss, "loss")
+        self._queue(loss, _Meta(
+            step=self._step, order=self._next_order(), phase="forward", module="",
+            tensor="loss", role=role, dtype=str(loss.dtype).removeprefix("torch."),
+            shape=tuple(loss.shape),
+        ))
+
+    # -- patched entry points -------------------------------------------------------------
+
+    def _wrap_backward(self, original: Any) -> Any:
+        hunt = self
+
+        def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if hunt._active and not _in_backward():
+                if id(tensor) not in hunt._scaled_loss_ids:
+                    hunt._record_loss(tensor, "loss")
+                hunt._phase = "backward"
+                hunt._did_backward = True
+            return original(tensor, *args, **kwargs)
+
+        backward.__wrapped__ = original  # type: ignore[attr-defined]
+        return backward
+
+    def _wrap_scale(self, original: Any) -> Any:
+        hunt = self
+
+        def scale(scaler: Any, outputs: Any) -> Any:
+            result = original(scaler, outputs)
+            if hunt._active and scaler.is_enabled():
+                hunt.scaler_seen = hunt._step_scaler = True
+                if isinstance(outputs, torch.Tensor):
+                    hunt._record_loss(outputs, "loss")
+                    hunt._scaled_loss_ids.add(id(result))
+                if scaler._scale is not None:
+                    hunt._scalar(scaler._scale, "scale")
+            return result
+
+        scale.__wrapped__ = original  # type: ignore[attr-defined]
+        return scale
+
+    def _wrap_update(self, original: Any) -> Any:
+        hunt = self
+
+        def update(scaler: Any, new_scale: Any = None) -> None:
+            if not (hunt._active and scaler.is_enabled() and scaler._scale is not None):
+                return original(scaler, new_scale)
+            hunt.scaler_seen = True
+            found = [f for s in scaler._per_optimizer_states.values()
+                     for f in s["found_inf_per_device"].values()]
+            if found:
+                hunt._scalar(sum(f.to(scaler._scale.device) for f in found), "found_inf")
+            hunt._scalar(scaler._scale.clone(), "scale_before")
+            result = original(scaler, new_scale)
+            hunt._scalar(scaler._scale.clone(), "scale_after")
+            hunt._end_step()
+            return result
+
+        update.__wrapped__ = original  # type: ignore[attr-defined]
+        return update
+
+    def _on_opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._active:
+            return
+        self._saw_optimizer = True
+        self._phase = "optimizer"
+        self._optimizer_ran_step = self._step
+        self._scalar(torch.ones((), dtype=torch.float64), "optimizer_ran")
+        if self._grad_sumsq:
+            self._scalar(torch.stack(list(self._grad_sumsq.values())).sum(), "grad_sumsq")
+            self._grad_sumsq = {}
+        self._flush()  # the step's one transfer, before the update changes the weights
+
+    def _on_opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._active:
+            return
+        if self._full:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is None or not _stats.summarizable(p):
+                        continue
+                    name, owner = self._param_names.get(p, ("<param>", ""))
+                    self._queue(p, _Meta(
+                        step=self._step, order=self._next_order(), phase="optimizer",
+                        module=owner, tensor=name, role="param",
+                        dtype=str(p.dtype).removeprefix("torch."), shape=tuple(p.shape),
+                        owner=owner,
+                    ))
+        if not self._step_scaler:
+            self._end_step()
+
+    # -- step boundaries and the transfer ---------------------------------------------------
+
+    def _end_step(self) -> None:
+        if self._grad_sumsq:
+            self._scalar(torch.stack(list(self._grad_sumsq.values())).sum(), "grad_sumsq")
+        if not self._transferred:
+            self._flush()
+        self._step_records.setdefault(self._step, StepRecord(index=self._step))
+        if self._step not in self._step_order:
+            self._step_order.append(self._step)
+        self._clear_step_handles()
+        stop = self._stop_pending
+        self._step += 1
+        self._begin_step_state()
+        if stop and self.stop_on_problem:
+            self._stop_pending = False
+            raise StopRun(f"nanhunt stopped the script after step {self._step - 1}")
+
+    def _clear_step_handles(self) -> None:
+        for h in self._grad_handles:
+            h.remove()
+        self._grad_handles = []
+
+    def _flush(self) -> None:
+        """Move every queued row to the host in one transfer and digest it."""
+        self._transferred = True
+        rows, scalars, keys = self._pending_rows, self._pending_scalars, self._pending_scalar_keys
+        if not rows and not scalars:
+            return
+        metas = self._metas[self._flushed:self._flushed + len(rows)]
+        self._flushed += len(rows)
+        parts = ([torch.stack(rows).reshape(-1)] if rows else []) + scalars
+        devices = {p.device for p in parts}
+        if len(devices) == 1:
+            flat = torch.cat(parts).cpu().numpy()
+        else:  # model parallel: one transfer per device
+            flat = np.concatenate([p.cpu().numpy() for p in parts])
+        n = len(rows) * _stats.ROW_LEN
+        matrix = flat[:n].reshape(len(rows), _stats.ROW_LEN)
+        values = flat[n:]
+        self._pending_rows, self._pending_scalars, self._pending_scalar_keys = [], [], []
+        self._data_for(self._step).parents.update({c.id: c.parent for c in self._calls})
+        self._digest(metas, matrix, list(zip(keys, values)))
+
+    # -- host side ----------------------------------------------------------------------------
+
+    def _data_for(self, step: int) -> _StepData:
+        for d in reversed(self._steps):
+            if d.index == step:
+                return d
+        d = _StepData(index=step)
+        self._steps.append(d)
+        return d
+
+    def _find_step(self, step: int | None) -> _StepData | None:
+        if not self._steps:
+            return None
+        if step is None:
+            return self._steps[-1]
+        for d in self._steps:
+            if d.index == step:
+                return d
+        return None
+
+    def _digest(self, metas: list[_Meta], matrix: np.ndarray, scalars: list) -> None:
+        touched: dict[int, _StepData] = {}
+        new = metas
+        for (step, key), value in scalars:
+            d = touched.setdefault(step, self._data_for(step))
+            if key == "loss":
+                d.loss = float(value)
+            elif key == "scale" or key == "scale_before":
+                d.scale = float(value)
+            elif key == "scale_after":
+                d.scale_after = float(value)
+            elif key == "found_inf":
+                d.found_inf = bool(value > 0)
+            elif key == "optimizer_ran":
+                d.optimizer_ran = True
+            elif key == "grad_sumsq":
+                d.grad_sumsq = float(value)
+        for meta, row in zip(new, matrix):
+            d = touched.setdefault(meta.step, self._data_for(meta.step))
+            d.metas.append(meta)
+            d.rows.append(row)
+            self._accumulate(meta, row, d)
+        for step in sorted(touched):
+            self._update_step(touched[step])
+
+    def _accumulate(self, meta: _Meta, row: np.ndarray, d: _StepData) -> None:
+        owner = meta.owner
+        if not owner:
+            return
+        acc = self._layers.get(owner)
+        if acc is None:
+            acc = self._layers[owner] = _LayerAcc(owner, self._types.get(owner, ""))
+        if meta.role == "output":
+            acc.calls += 1
+            acc.dtypes.add(meta.dtype)
+            acc.forward = _merge_rows(acc.forward, row)
+            acc.fwd_by_step[meta.step] = max(acc.fwd_by_step.get(meta.step, 0.0), float(row[5]))
+        elif meta.role == "grad_output" or (meta.role == "grad_input" and meta.owner):
+            acc.backward = _merge_rows(acc.backward, row)
+            acc.bwd_by_step[meta.step] = max(acc.bwd_by_step.get(meta.step, 0.0), float(row[5]))
+        elif meta.role == "param_grad":
+            acc.param_grad = _merge_rows(acc.param_grad, row)
+
+    def _update_step(self, d: _StepData) -> None:
+        rec = self._step_records.get(d.index)
+        if rec is None:
+            rec = self._step_records[d.index] = StepRecord(index=d.index)
+            if d.index not in self._step_order:
+                self._step_order.append(d.index)
+        rec.loss = d.loss
+        rec.scale = d.scale
+        nonfinite = [m for m, r in zip(d.metas, d.rows) if r[1] + r[2] + r[3] > 0]
+        rec.nonfinite = bool(nonfinite) or (d.loss is not None and not math.isfinite(d.loss))
+        rec.records = len(d.metas)
+        if d.scale_after is not None and d.scale is not None:
+            rec.skipped = bool(d.found_inf) if d.found_inf is not None else d.scale_after < d.scale
+            if d.scale_after != d.scale and not any(e.step == d.index for e in self.scaler_events):
+                self.scaler_events.append(ScalerEvent(
+                    d.index, "backoff" if d.scale_after < d.scale else "growth",
+                    d.scale, d.scale_after))
+        if d.grad_sumsq is not None:
+            s = d.scale if (self._step_scaler_for(d) and d.scale) else 1.0
+            rec.grad_norm = math.sqrt(d.grad_sumsq) / s if math.isfinite(d.grad_sumsq) else \
+                float("nan")
+        self._judge(d, rec)
+
+    def _step_scaler_for(self, d: _StepData) -> bool:
+        return d.scale is not None
+
+    def _judge(self, d: _StepData, rec: StepRecord) -> None:
+        """Decide whether this step has a problem, and find the origin the first time."""
+        scaled = d.scale is not None
+        bad = {m.role for m, r in zip(d.metas, d.rows) if r[1] + r[2] + r[3] > 0}
+        problem = None
+        if (d.loss is not None and not math.isfinite(d.loss)) or "loss" in bad:
+            problem = "loss"
+        elif "param" in bad:
+            problem = "param"
+        elif "param_grad" in bad and (not scaled or d.optimizer_ran) and \
+                not (scaled and d.found_inf):
+            problem = "grad"
+        elif self._root_output_bad(d):
+            problem = "output"
+        if rec.skipped and d.scale_after is not None:
+            if d.index not in self._counted_skips:
+                self._counted_skips.add(d.index)
+                self._skip_streak += 1
+                self._note_fact(("scaler", "", str(d.scale)),
+                                f"step {d.index}: GradScaler found inf/NaN in the scaled gradients "
+                                f"at scale {d.scale:g} and skipped the step "
+                                f"(scale -> {d.scale_after:g})")
+            if d.scale_after < self.collapse_scale and problem is None:
+                problem = "collapse"
+        elif d.scale_after is not None and not rec.skipped:
+            self._skip_streak = 0
+        if problem is None:
+            self._note_absorbed(d)
+            return
+        d.problem = problem
+        rec.nonfinite = True
+        if d.index not in self._problem_steps:
+            self._problem_steps.append(d.index)
+        if self.first_failure is not None:
+            return
+        self.problem = problem
+        origin_step = d
+        if problem == "collapse":
+            first = d.index - self._skip_streak + 1
+            origin_step = self._find_step(first) or d
+        failure = self._locate(origin_step, problem)
+        if failure is None and origin_step is not d:
+            failure = self._locate(d, problem)
+        if failure is None:
+            return
+        self.first_failure = failure
+        self._take_snapshot(d, origin_step)
+        self._stop_pending = True
+        self._full = True
+
+    def _root_output_bad(self, d: _StepData) -> bool:
+        if d.loss is not None or any(m.role in ("loss", "param_grad") for m in d.metas):
+            return False  # judged by the loss and gradients instead
+        recs, parents = self._recs(d)
+        origin = find_origin([r for r in recs if r.phase in ("data", "forward")], parents, None)
+        if origin is None:
+            return False
+        return any(m.role == "output" and m.parent is None and r[1] + r[2] + r[3] > 0
+                   for m, r in zip(d.metas, d.rows))
+
+    def _recs(self, d: _StepData) -> tuple[list[Rec], dict[int, int | None]]:
+        recs = []
+        parents: dict[int, int | None] = {}
+        for i, (m, r) in enumerate(zip(d.metas, d.rows)):
+            nonfinite = r[1] + r[2] + r[3] > 0
+            recs.append(Rec(
+                index=i, order=m.order, phase=m.phase, role=m.role, nonfinite=nonfinite,
+                one_sided_neginf=bool(r[3] > 0 and r[1] == 0 and r[2] == 0),
+                allowed=m.allowed, producer=m.producer, parent=m.parent,
+                consumers=list(m.consumers),
+            ))
+            if m.producer is not None:
+                parents.setdefault(m.producer, m.parent)
+            for c in m.consumers:
+                parents.setdefault(c, None)
+        parents.update(d.parents)
+        return recs, parents
+
+    def _locate(self, d: _StepData, problem: str) -> Failure | None:
+        recs, parents = self._recs(d)
+        loss_finite = None if d.loss is None else math.isfinite(d.loss)
+        origin = find_origin(recs, parents, loss_finite)
+        if origin is None:
+            if problem == "loss" and d.loss is not None:
+                return Failure(step=d.index, phase="forward", module="", tensor="loss",
+                               stats=TensorStats(dtype="float32", shape=[], numel=1, nan=1),
+                               detail="the loss was non-finite")
+            return None
+        m, r = d.metas[origin.index], d.rows[origin.index]
+        phase = m.phase
+        if problem == "collapse":
+            phase = "loss_scaling" if m.phase == "backward" else m.phase
+        return Failure(step=d.index, phase=phase, module=m.module, tensor=m.tensor,
+                       stats=self._stats(m, r))
+
+    def _stats(self, m: _Meta, row: np.ndarray) -> TensorStats:
+        return _stats.decode(row, m.dtype, m.shape, self.format)
+
+    def _tensor_record(self, m: _Meta, row: np.ndarray) -> TensorRecord:
+        return TensorRecord(step=m.step, order=m.order, phase=m.phase, module=m.module,
+                            tensor=m.tensor, role=m.role, stats=self._stats(m, row),
+                            mutated=m.mutated)
+
+    def _note_absorbed(self, d: _StepData) -> None:
+        for m, r in zip(d.metas, d.rows):
+            n = int(r[1] + r[2] + r[3])
+            if n and m.phase in ("data", "forward"):
+                key = (m.module, m.tensor, m.role)
+                kinds = ", ".join(f"{int(c)} {k}" for c, k in ((r[1], "NaN"), (r[2], "+inf"),
+                                                                 (r[3], "-inf")) if c)
+                self._note_fact(key, f"step {d.index}: {m.module or '<top level>'} {m.tensor} "
+                                     f"held {kinds}; later values stayed finite (absorbed)")
+
+    def _note_fact(self, key: tuple, text: str) -> None:
+        if key in self._fact_keys or len(self.facts) >= 50:
+            return
+        self._fact_keys.add(key)
+        self.facts.append(text)
+
+    # -- the culprit snapshot ------------------------------------------------------------------
+
+    def _take_snapshot(self, d: _StepData, origin_step: _StepData) -> None:
+        """Copy the culprit module and its captured inputs, while they are still unchanged."""
+        f = self.first_failure
+        if f is None or not self.keep_tensors or not self._calls:
+            return
+        if f.step != self._step and origin_step.index != self._step:
+            return
+        call = next((c for c in reversed(self._calls) if c.name == f.module), None)
+        if call is None or call.args is None:
+            return
+        stale = []
+        for path, t in _leaves((call.args, call.kwargs), "input"):
+            idx = self._lookup(t)
+            if idx is None and _stats.summarizable(t) and id(t) in self._seen:
+                stale.append(path)
+        try:
+            module = copy.deepcopy(call.module)
+            args = _clone_tree(call.args)
+            kwargs = _clone_tree(call.kwargs)
+        except Exception as exc:  # a module that cannot be copied is replayed by nobody
+            self.failure_extra["snapshot_error"] = f"{type(exc).__name__}: {exc}"
+            return
+        grads = None
+        if f.phase in ("backward", "loss_scaling"):
+            grads = [self._grads.get(i) for i in call.output_rows]
+            grads = [g.detach().clone() if g is not None else None for g in grads]
+        self.snapshot = Snapshot(module=module, name=call.name, args=args, kwargs=kwargs,
+                                 grad_outputs=grads, autocast=call.autocast, phase=f.phase,
+                                 step=f.step, stale_inputs=stale)
+        if f.phase == "data":
+            self._bad_samples(call)
+
+    def _bad_samples(self, call: _Call) -> None:
+        for path, t in _leaves((call.args, call.kwargs), "input"):
+            if _stats.summarizable(t) and t.dim() >= 1:
+                bad = ~torch.isfinite(t.detach()).reshape(t.shape[0], -1).all(dim=1)
+                idx = torch.nonzero(bad).flatten().tolist()
+                if idx:
+                    self.failure_extra.setdefault("bad_samples", {})[path] = idx[:100]
+
+    # -- derived views -------------------------------------------------------------------------
+
+    def _layer_stats(self, acc: _LayerAcc) -> LayerStats:
+        def conv(row: np.ndarray | None) -> TensorStats | None:
+            if row is None:
+                return None
+            return _stats.decode(row, "mixed" if len(acc.dtypes) > 1 else
+                                 next(iter(acc.dtypes), "float32"), [], self.format)
+
+        return LayerStats(
+            module=acc.module, type=acc.type, calls=acc.calls, dtypes=sorted(acc.dtypes),
+            forward=conv(acc.forward), backward=conv(acc.backward),
+            param_grad=conv(acc.param_grad),
+            forward_amax_by_step=dict(acc.fwd_by_step),
+            backward_amax_by_step=dict(acc.bwd_by_step),
+        )
+
+
+def _clone_tree(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, _clone_tree(v)) for k, v in obj.items()) if type(obj) is dict \
+            else {k: _clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_clone_tree(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone_tree(v) for v in obj)
+    return obj
+
+
+@contextlib.contextmanager
+def watch(
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: Any = None,
+    target: str = "float16",
+    **options: Any,
+) -> Iterator[Hunt]:
+    """Watch the training steps run inside the block; see :class:`Hunt`."""
+    hunt = Hunt(model, optimizer, scaler, target=target, **options)
+    with hunt:
+        yield hunt
