@@ -1,8 +1,16 @@
-"""nanhunt: find where, why and how to fix NaN/Inf in mixed-precision PyTorch training."""
+"""nanhunt: find where, why and how to fix NaN/Inf in mixed-precision PyTorch training.
+
+>>> import nanhunt
+>>> with nanhunt.watch(model, optimizer, scaler) as hunt:   # doctest: +SKIP
+...     train_one_step()
+>>> hunt.first_failure                                       # doctest: +SKIP
+"""
 
 from __future__ import annotations
 
 from ._version import __version__
+from .capture import Hunt, watch
 from .errors import NanhuntError
+from .formats import FORMATS, get_format
 
-__all__ = ["NanhuntError", "__version__"]
+__all__ = ["FORMATS", "Hunt", "NanhuntError", "__version__", "get_format", "watch"]

@@ -92,6 +92,13 @@ def _leaves(obj: Any, path: str) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _call_leaves(args: Any, kwargs: dict | None) -> list[tuple[str, torch.Tensor]]:
+    leaves = _leaves(args, "input")
+    for k, v in (kwargs or {}).items():
+        leaves.extend(_leaves(v, f"input[{k!r}]"))
+    return leaves
+
+
 def _variable_name(obj: object) -> str | None:
     """The name a user's variable gives ``obj``: __main__'s globals, then the calling frames."""
     main = sys.modules.get("__main__")
@@ -291,7 +298,6 @@ class Hunt:
         self.devices: set[str] = set()
         self.autocast_seen = False
         self.scaler_seen = False
-        self.grad_hist = np.zeros(_stats.ROW_LEN - 8, dtype=np.float64)
         self._steps: deque[_StepData] = deque(maxlen=self.keep_steps)
         self._step_records: dict[int, StepRecord] = {}
         self._step_order: deque[int] = deque(maxlen=max(self.keep_steps, 10_000))
@@ -456,8 +462,9 @@ class Hunt:
             self._types[name] = type(mod).__name__
             for pname, p in mod.named_parameters(recurse=False):
                 if p.requires_grad and p not in self._param_names:
-                    self._param_names[p] = (f"{qual}.{pname}" if qual and primary else
-                                            f"{name}.{pname}", name)
+                    full = (f"{qual}.{pname}" if qual else pname) if primary else \
+                        f"{name}.{pname}"
+                    self._param_names[p] = (full, name)
                     self._param_hooks.append(
                         p.register_post_accumulate_grad_hook(self._on_param_grad))
 
@@ -546,42 +553,36 @@ class Hunt:
             return
         call = self._calls[frame.call]
         name, parent = frame.name, call.parent
-        is_root = parent is None
         mutated_ids = {id(t) for t, v in frame.versions if t._version != v}
-        leaves = _leaves(args, "input")
-        if kwargs:
-            for k, v in kwargs.items():
-                leaves.extend(_leaves(v, f"input[{k!r}]"))
+        leaves = _call_leaves(args, kwargs)
         grad_on = torch.is_grad_enabled()
         for path, t in leaves:
             if not _stats.summarizable(t):
                 continue
             idx = self._lookup(t)
             if idx is not None:
-                self._metas[idx].consumers.append(frame.call)
-                self._metas[idx].consumer_paths.append(path)
+                m = self._metas[idx]
+                if m.role == "input" and m.order > frame.order and idx >= self._flushed:
+                    # made outside this call and first seen by an inner one: it enters here
+                    self._describe_input(m, frame, call, path, t)
+                m.consumers.append(frame.call)
+                m.consumer_paths.append(path)
                 call.input_rows.append(idx)
                 continue
             mutated = id(t) in mutated_ids
-            data = is_root and t.grad_fn is None and not t.requires_grad
-            where = parent_name = self._calls[parent].name if parent is not None else ""
             meta = _Meta(
-                step=self._step,
-                order=self._next_order() if mutated else frame.order,
-                phase="data" if data and not mutated else "forward",
-                module=name if (data or mutated) else where,
-                tensor=(f"{path} (changed in place)" if mutated else path) if (data or mutated)
-                else f"{path} of {name}",
-                role="output" if mutated else "input",
-                dtype=str(t.dtype).removeprefix("torch."),
-                shape=tuple(t.shape),
-                owner=name,
-                producer=frame.call if mutated else None,
-                parent=frame.call if mutated else parent,
-                consumers=[] if mutated else [frame.call],
+                step=self._step, order=frame.order, phase="forward", module="", tensor=path,
+                role="input", dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape),
+                owner=name, consumers=[] if mutated else [frame.call],
                 consumer_paths=[] if mutated else [path],
-                allowed=self._allowed(name, path) or self._allowed(parent_name, path),
             )
+            if mutated:  # changed in place by this very call: its output, in effect
+                meta.order, meta.module, meta.role = self._next_order(), name, "output"
+                meta.tensor, meta.producer, meta.parent = f"{path} (changed in place)", \
+                    frame.call, parent
+                meta.allowed = self._allowed(name, path)
+            else:
+                self._describe_input(meta, frame, call, path, t)
             idx = self._queue(t, meta)
             call.input_rows.append(idx)
             self._remember(t, idx)
@@ -612,6 +613,19 @@ class Hunt:
             if call.autocast[0]:
                 self.autocast_seen = True
         self.devices.add(outs[0][1].device.type if outs else "cpu")
+
+    def _describe_input(self, m: _Meta, frame: _Frame, call: _Call, path: str,
+                        t: torch.Tensor) -> None:
+        """Blame for an input that no module produced: the batch, or its caller's own code."""
+        parent = call.parent
+        parent_name = self._calls[parent].name if parent is not None else ""
+        data = parent is None and t.grad_fn is None and not t.requires_grad
+        m.order = frame.order
+        m.phase = "data" if data else "forward"
+        m.module = frame.name if data else parent_name
+        m.tensor = path if data else f"{path} of {frame.name}"
+        m.parent = parent
+        m.allowed = self._allowed(frame.name, path) or self._allowed(parent_name, path)
 
     def _hook_grad(self, t: torch.Tensor, idx: int) -> None:
         self._grad_handles.append(t.register_hook(lambda g, idx=idx: self._on_grad(idx, g)))
@@ -1019,7 +1033,7 @@ class Hunt:
         if call is None or call.args is None:
             return
         stale = []
-        for path, t in _leaves((call.args, call.kwargs), "input"):
+        for path, t in _call_leaves(call.args, call.kwargs):
             idx = self._lookup(t)
             if idx is None and _stats.summarizable(t) and id(t) in self._seen:
                 stale.append(path)
@@ -1041,7 +1055,7 @@ class Hunt:
             self._bad_samples(call)
 
     def _bad_samples(self, call: _Call) -> None:
-        for path, t in _leaves((call.args, call.kwargs), "input"):
+        for path, t in _call_leaves(call.args, call.kwargs):
             if _stats.summarizable(t) and t.dim() >= 1:
                 bad = ~torch.isfinite(t.detach()).reshape(t.shape[0], -1).all(dim=1)
                 idx = torch.nonzero(bad).flatten().tolist()

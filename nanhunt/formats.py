@@ -71,8 +71,15 @@ FORMATS: dict[str, NumberFormat] = {
     )
 }
 
-_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
-            "float": "float32", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+_ALIASES = {
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "float": "float32",
+    "e4m3": "float8_e4m3fn",
+    "e5m2": "float8_e5m2",
+}
 
 
 def get_format(name: str) -> NumberFormat:

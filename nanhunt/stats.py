@@ -5,8 +5,14 @@ step's summary matrix); the recorder stacks a step's rows and moves them to the 
 transfer, where :func:`decode` turns a row into a torch-free :class:`~nanhunt.trace.TensorStats`.
 
 Row layout: ``numel, nan, +inf, -inf, zero, finite amax, smallest non-zero finite |x|,
-count of finite |x| above the target max`` followed by a 256-bin histogram of the float32
-exponent field (bin 0: zeros and float32 subnormals; bin 255: inf and NaN; bin k: binade k-127).
+count of finite |x| above the target max, count of non-zero finite |x| below the target's
+smallest subnormal`` followed by a 256-bin histogram of the float32 exponent field (bin 0: zeros
+and values below 2**-126, float32 subnormals included; bin 255: inf and NaN; bin k: binade
+k-127). float64 values of 2**128 or more (beyond float32's range) are counted in binade 127.
+
+Nothing here reads a value back to the host: every op has an output shape that depends only on
+the input's shape (the function also runs on ``meta`` tensors), so a step's rows can be stacked
+and copied to the host in one transfer.
 """
 
 from __future__ import annotations
@@ -18,23 +24,30 @@ import torch
 from .formats import NumberFormat
 from .trace import TensorStats
 
-__all__ = ["ROW_LEN", "decode", "summarize", "summarizable"]
+__all__ = ["ROW_LEN", "decode", "summarizable", "summarize"]
 
-_HEAD = 8
+_HEAD = 9
 _BINS = 256
 ROW_LEN = _HEAD + _BINS
 
-_NUMEL, _NAN, _POSINF, _NEGINF, _ZERO, _AMAX, _AMIN, _ABOVE = range(_HEAD)
+_NUMEL, _NAN, _POSINF, _NEGINF, _ZERO, _AMAX, _AMIN, _ABOVE, _FLUSHED = range(_HEAD)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def summarizable(t: object) -> bool:
-    """Floating-point tensors nanhunt summarises (not integer, bool, complex or fp8 storage)."""
-    return isinstance(t, torch.Tensor) and t.dtype in _FLOATS and not t.is_meta
+    """Dense floating-point tensors nanhunt summarises (not integer, bool, complex, fp8 storage,
+    sparse or meta tensors)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.dtype in _FLOATS
+        and t.layout == torch.strided
+        and not t.is_meta
+    )
 
 
 def _exponent_field(f: torch.Tensor) -> torch.Tensor:
-    """float32 exponent field (0..255) of each element; float64 goes through frexp."""
+    """float32 exponent field (0..255) of each element; float64 goes through frexp, with binades
+    below -126 in field 0 and binades above 127 in field 254."""
     if f.dtype == torch.float64:
         _, e = torch.frexp(f)
         field = (e.to(torch.int32) + 126).clamp_(0, 254)
@@ -56,19 +69,27 @@ def summarize(t: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     f = x.reshape(-1)
     if f.dtype in (torch.float16, torch.bfloat16):
         f = f.float()  # every fp16/bf16 value is exact in float32, subnormals included
-    hist = torch.bincount(_exponent_field(f).reshape(-1).long(), minlength=_BINS)
+    # A histogram by scatter_add_, not bincount: bincount sizes its output from the data, which
+    # on CUDA reads the input's max back to the host (a sync per tensor).
+    field = _exponent_field(f).long()
+    hist = torch.zeros(_BINS, dtype=torch.int64, device=device)
+    hist.scatter_add_(0, field, torch.ones((), dtype=torch.int64, device=device).expand_as(field))
     a = f.abs()
     nan = torch.isnan(f).sum()
     neginf = (f == float("-inf")).sum()
     posinf = hist[_BINS - 1] - nan - neginf
     zero = (a == 0).sum()
     finite = a.nan_to_num(nan=0.0, posinf=0.0)
+    nonzero = finite > 0
     amax = finite.amax()
-    amin = torch.where(finite > 0, finite, float("inf")).amin()
+    amin = torch.where(nonzero, finite, float("inf")).amin()
     above = (finite > fmt.max).sum()
+    # Exact, not from the histogram: bin 0 lumps everything below 2**-126, and a target's flush
+    # threshold can lie inside it (bfloat16: 2**-133, float32: 2**-149).
+    flushed = (nonzero & (finite < fmt.smallest_subnormal)).sum()
     head = torch.stack(
         [
-            torch.tensor(float(n), dtype=torch.float64, device=device),
+            torch.full((), float(n), dtype=torch.float64, device=device),
             nan.double(),
             posinf.double(),
             neginf.double(),
@@ -76,6 +97,7 @@ def summarize(t: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
             amax.double(),
             amin.double(),
             above.double(),
+            flushed.double(),
         ]
     )
     return torch.cat([head, hist.double()])
@@ -96,11 +118,12 @@ def decode(
     for field in range(1, _BINS - 1):
         if counts[field]:
             hist[field - 127] = counts[field]
+    # Every target's smallest normal is a power of two of at least 2**-126, so the histogram
+    # (exact down to binade -126) gives underflow exactly.
     underflow = sum(c for e, c in hist.items() if e < fmt.min_normal_binade)
-    flushed = sum(c for e, c in hist.items() if e < fmt.min_subnormal_binade)
     amax = vals[_AMAX]
     return TensorStats(
-        dtype=dtype.removeprefix("torch."),
+        dtype=str(dtype).removeprefix("torch."),
         shape=list(shape),
         numel=int(vals[_NUMEL]),
         nan=nan,
@@ -111,7 +134,7 @@ def decode(
         amin=vals[_AMIN],
         overflow=int(vals[_ABOVE]) + nan + posinf + neginf,
         underflow=underflow,
-        flushed=flushed,
+        flushed=int(vals[_FLUSHED]),
         headroom=fmt.headroom_binades(amax),
         hist=hist,
     )

@@ -1,0 +1,345 @@
+"""What the terminal and HTML renderers share: the verdict, the module ranking, number formatting.
+
+Everything here reads a :class:`~nanhunt.trace.Trace` and returns plain values, so both renderers
+say the same thing in the same words.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import NanhuntError
+from ..formats import NumberFormat, get_format
+from ..trace import Finding, LayerStats, StepRecord, TensorStats, Trace
+
+#: Headroom (binades below the target max) under which a module is shown as at risk.
+WARN_HEADROOM = 2.0
+
+_SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def target_format(trace: Trace) -> NumberFormat:
+    """The format the run is judged against; float16 when the recorded name is unknown."""
+    try:
+        return get_format(trace.run.target or "float16")
+    except NanhuntError:
+        return get_format("float16")
+
+
+def fmt_num(x: float | None) -> str:
+    """A magnitude in at most ~9 characters: ``0``, ``210``, ``0.0312``, ``6.55e+04``, ``inf``."""
+    if x is None:
+        return "—"
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x == 0:
+        return "0"
+    a = abs(x)
+    if 1e-3 <= a < 1e4:
+        return f"{x:.4g}"
+    return f"{x:.2e}"
+
+
+def fmt_count(n: int) -> str:
+    return f"{n:,}"
+
+
+def fmt_compact(n: int) -> str:
+    """A count in at most 5 characters: ``42``, ``9,999``, ``131k``, ``2.1M``."""
+    if n < 10_000:
+        return f"{n:,}"
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            v = n / div
+            return f"{v:.1f}{unit}" if v < 10 else f"{v:.0f}{unit}"
+    return str(n)
+
+
+def fmt_pct(frac: float) -> str:
+    """A fraction in at most 5 characters: ``0%``, ``<0.1%``, ``2.3%``, ``31%``."""
+    if frac <= 0:
+        return "0%"
+    if frac < 0.001:
+        return "<0.1%"
+    if frac < 0.1:
+        return f"{100 * frac:.1f}%"
+    return f"{100 * frac:.0f}%"
+
+
+def pow2(x: float) -> int | None:
+    """``k`` when ``x == 2**k`` exactly, else None."""
+    if not (x > 0 and math.isfinite(x)):
+        return None
+    m, e = math.frexp(x)
+    return e - 1 if m == 0.5 else None
+
+
+def superscript(k: int) -> str:
+    return str(k).translate(_SUPERSCRIPT)
+
+
+def fmt_scale(x: float | None) -> str:
+    """A loss scale: ``65536 (2^16)`` when it is a power of two."""
+    if x is None:
+        return "—"
+    k = pow2(x)
+    if k is not None and -30 <= k <= 30:
+        return f"{x:.0f} (2^{k})" if k >= 0 else f"2^{k}"
+    return fmt_num(x)
+
+
+def fmt_scale_short(x: float) -> str:
+    """A loss scale in few characters: ``2^16``, or the number when not a power of two."""
+    k = pow2(x)
+    return f"2^{k}" if k is not None else fmt_num(x)
+
+
+def fmt_binades(h: float) -> str:
+    if math.isnan(h):
+        return "nan"
+    if math.isinf(h):
+        return "—" if h > 0 else "-inf"
+    return f"{h:+.1f}"
+
+
+def fmt_value(value: Any) -> str:
+    """A recommendation's value as the user would type it."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        k = pow2(value)
+        return f"{value:g} (2^{k})" if k is not None and abs(k) >= 4 else fmt_num(value)
+    if isinstance(value, (list, tuple)):
+        return ", ".join(fmt_value(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={fmt_value(v)}" for k, v in value.items())
+    return str(value)
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    return f"{n} {word if n == 1 else (words or word + 's')}"
+
+
+def first_line(text: str | None, limit: int = 160) -> str:
+    """The most telling line of an error message: the last non-empty one (a traceback's end)."""
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    line = lines[-1] if lines else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+# ----------------------------------------------------------------------------- verdict
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The one-line answer at the top of every report.
+
+    ``level`` is ``problem``, ``ok`` or ``partial``. ``partial`` (the run crashed, was interrupted
+    or is still running) is a line shown above ``headline``, which is always the problem/OK line.
+    """
+
+    level: str
+    headline: str
+    partial: str | None = None
+
+
+def has_problem(trace: Trace) -> bool:
+    diag_error = trace.diagnosis is not None and trace.diagnosis.severity == "error"
+    return trace.problem or trace.first_failure is not None or diag_error
+
+
+def partial_line(trace: Trace) -> str | None:
+    if not trace.partial:
+        return None
+    status = trace.run.status
+    error = first_line(trace.run.error)
+    if status == "crashed":
+        why = f"script crashed: {error}" if error else "script crashed"
+    elif status == "interrupted":
+        why = f"interrupted: {error}" if error else "interrupted"
+    else:
+        why = "run still in progress"
+    return f"PARTIAL REPORT ({why})"
+
+
+def verdict(trace: Trace) -> Verdict:
+    partial = partial_line(trace)
+    if has_problem(trace):
+        return Verdict("problem", "PROBLEM: " + _problem_text(trace), partial)
+    n_warn = plural(len(trace.warnings), "warning")
+    so_far = " so far" if partial else ""
+    if trace.facts:
+        benign = plural(len(trace.facts), "expected non-finite event")
+        text = f"OK{so_far}: no problem found ({benign}, see facts); {n_warn}"
+    else:
+        text = f"OK{so_far}: no non-finite values; {n_warn}"
+    return Verdict("partial" if partial else "ok", text, partial)
+
+
+def _problem_text(trace: Trace) -> str:
+    diag = trace.diagnosis
+    kind = (diag.kind if diag else "") or "non-finite value"
+    kind = kind.replace("_", " ")
+    ff = trace.first_failure
+    if ff is not None:
+        phase, step, module, tensor = ff.phase, ff.step, ff.module, ff.tensor
+    elif diag is not None:
+        phase, step, module, tensor = diag.phase, diag.step, diag.module, diag.tensor
+    else:
+        return kind
+    parts = [kind]
+    if phase:
+        parts.append(f"in {phase}")
+    if step is not None:
+        parts.append(f"at step {step}")
+    text = " ".join(parts)
+    if module:
+        text += f", module {module}"
+    elif tensor:
+        text += f", tensor {tensor}"
+    elif diag is not None and not ff:
+        text += f": {diag.message}"
+    return text
+
+
+def values_summary(stats: TensorStats, fmt: NumberFormat) -> list[str]:
+    """Short phrases describing a tensor's values against the target format."""
+    out = [f"amax {fmt_num(stats.amax)}"]
+    if stats.posinf or stats.neginf:
+        out.append(f"{fmt_count(stats.posinf)} +inf, {fmt_count(stats.neginf)} -inf")
+    else:
+        out.append("0 inf")
+    out.append(f"{fmt_count(stats.nan)} nan")
+    if stats.overflow:
+        out.append(f"{fmt_count(stats.overflow)} over {fmt.name} max")
+    elif not stats.nonfinite:
+        out.append(f"headroom {fmt_binades(stat_headroom(stats, fmt))} binades")
+    if stats.underflow:
+        out.append(f"{fmt_pct(stats.underflow_fraction)} subnormal or flushed")
+    return out
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+def stat_headroom(stats: TensorStats | None, fmt: NumberFormat) -> float:
+    """Binades from a tensor's amax to the target max; -inf once anything overflowed."""
+    if stats is None:
+        return math.inf
+    if stats.nonfinite:
+        return -math.inf
+    h = fmt.headroom_binades(stats.amax)
+    recorded = stats.headroom
+    return min(h, recorded) if not math.isnan(recorded) else h
+
+
+def headroom_class(headroom: float, nonfinite: int = 0) -> str:
+    """``bad`` (overflowed or non-finite), ``warn`` (< WARN_HEADROOM binades) or ``ok``."""
+    if nonfinite or headroom < 0 or math.isnan(headroom):
+        return "bad"
+    if headroom < WARN_HEADROOM:
+        return "warn"
+    return "ok"
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    """One line of the per-module table."""
+
+    index: int  # position in execution order
+    module: str
+    type: str
+    fwd_amax: float | None
+    bwd_amax: float | None
+    headroom: float
+    underflow: float  # fraction of finite non-zero values below the target's smallest normal
+    nonfinite: int
+    culprit: bool
+
+    @property
+    def level(self) -> str:
+        return headroom_class(self.headroom, self.nonfinite)
+
+
+def layer_row(index: int, layer: LayerStats, fmt: NumberFormat, culprit: str | None) -> ModuleRow:
+    parts = [s for s in (layer.forward, layer.backward) if s is not None]
+    merged = parts[0].merged(parts[1]) if len(parts) == 2 else (parts[0] if parts else None)
+    nonfinite = sum(s.nonfinite for s in (*parts, layer.param_grad) if s is not None)
+    headroom = min((stat_headroom(s, fmt) for s in parts), default=math.inf)
+    if nonfinite:
+        headroom = -math.inf
+    return ModuleRow(
+        index=index,
+        module=layer.module,
+        type=layer.type,
+        fwd_amax=layer.forward.amax if layer.forward else None,
+        bwd_amax=layer.backward.amax if layer.backward else None,
+        headroom=headroom,
+        underflow=merged.underflow_fraction if merged else 0.0,
+        nonfinite=nonfinite,
+        culprit=bool(culprit) and layer.module == culprit,
+    )
+
+
+def culprit_module(trace: Trace) -> str | None:
+    if trace.first_failure is not None and trace.first_failure.module:
+        return trace.first_failure.module
+    if trace.diagnosis is not None and trace.diagnosis.module:
+        return trace.diagnosis.module
+    return None
+
+
+def module_rows(trace: Trace, fmt: NumberFormat) -> list[ModuleRow]:
+    """Every module, worst first: the culprit, then non-finite ones, then by lowest headroom."""
+    culprit = culprit_module(trace)
+    rows = [layer_row(i, layer, fmt, culprit) for i, layer in enumerate(trace.layers)]
+    return sorted(rows, key=lambda r: (not r.culprit, r.nonfinite == 0, r.headroom, r.index))
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def ranked_warnings(trace: Trace) -> list[Finding]:
+    return sorted(trace.warnings, key=lambda f: -f.score if math.isfinite(f.score) else -1e300)
+
+
+def fold_steps(
+    trace: Trace, *, head: int = 3, tail: int = 3, show_all: bool = False
+) -> list[StepRecord | int]:
+    """Steps to show: the first and last few plus every skipped, non-finite or failing step.
+
+    An ``int`` in the result stands for that many hidden steps.
+    """
+    steps = trace.steps
+    if show_all or len(steps) <= head + tail + 4:
+        return list(steps)
+    fail_step = trace.first_failure.step if trace.first_failure else None
+    keep = [
+        i < head or i >= len(steps) - tail or s.skipped or s.nonfinite or s.index == fail_step
+        for i, s in enumerate(steps)
+    ]
+    out: list[StepRecord | int] = []
+    hidden = 0
+    for s, k in zip(steps, keep, strict=True):
+        if k:
+            if hidden:
+                out.append(hidden)
+                hidden = 0
+            out.append(s)
+        else:
+            hidden += 1
+    if hidden:
+        out.append(hidden)
+    return out
+
+
+def scaler_notes(trace: Trace) -> dict[int, str]:
+    """Per step, what GradScaler did: ``backoff 65536→32768``."""
+    notes: dict[int, list[str]] = {}
+    for ev in trace.scaler_events:
+        notes.setdefault(ev.step, []).append(f"{ev.event} → {fmt_scale_short(ev.scale_after)}")
+    return {k: "; ".join(v) for k, v in notes.items()}

@@ -1,0 +1,541 @@
+"""Server-side SVG charts for the HTML report: no JavaScript, no network, escaped text.
+
+Every chart is a function from plain numbers (and the target :class:`NumberFormat`) to an SVG
+string. Magnitudes are drawn on a log2 axis, where one unit is one binade, so the target format's
+window (smallest subnormal, smallest normal, max) is a fixed band the data either fits or leaves.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..formats import NumberFormat
+from ..trace import LayerStats, TensorStats
+from ._common import fmt_compact, fmt_num, superscript
+
+# colours shared with the page's CSS
+FWD = "#2563eb"
+BWD = "#d97706"
+BAD = "#dc2626"
+INK = "#0f172a"
+MUTED = "#64748b"
+GRID = "#e2e8f0"
+ZONE_FLUSH = "#e2e8f0"
+ZONE_SUB = "#fef3c7"
+ZONE_OVER = "#fee2e2"
+
+_FONT = 'font-family="inherit"'
+
+
+def esc(s: object) -> str:
+    return html.escape(str(s), quote=True)
+
+
+def log2(x: float | None) -> float | None:
+    if x is None or not (x > 0) or math.isinf(x):
+        return None
+    return math.log2(x)
+
+
+def n(v: float) -> str:
+    """A coordinate: one decimal, never nan/inf."""
+    if not math.isfinite(v):
+        v = 0.0
+    s = f"{v:.1f}"
+    return s[:-2] if s.endswith(".0") else s
+
+
+def pow2_label(k: int) -> str:
+    return "2" + superscript(k)
+
+
+def _tick_step(span: float, max_ticks: int) -> int:
+    for step in (1, 2, 4, 8, 16, 32, 64):
+        if span / step <= max_ticks:
+            return step
+    return 128
+
+
+def nice_ticks(lo: float, hi: float, count: int = 4) -> list[float]:
+    """Round-number ticks covering ``lo..hi`` (linear axis)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return []
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / max(count, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    start = math.ceil(lo / step) * step
+    ticks = []
+    t = start
+    while t <= hi + step * 1e-9:
+        ticks.append(round(t, 12))
+        t += step
+    return ticks
+
+
+@dataclass(frozen=True)
+class _Axis:
+    """Maps a log2 value (binade) to an x pixel."""
+
+    lo: float
+    hi: float
+    x0: float
+    x1: float
+
+    def x(self, v: float) -> float:
+        v = min(max(v, self.lo), self.hi)
+        return self.x0 + (v - self.lo) / (self.hi - self.lo) * (self.x1 - self.x0)
+
+
+def binade_domain(fmt: NumberFormat, values: Iterable[float], pad: int = 2) -> tuple[int, int]:
+    """A log2 axis range covering the format's window and every observed magnitude."""
+    lo = fmt.min_subnormal_binade - pad
+    hi = fmt.max_binade + 1 + pad
+    for v in values:
+        b = log2(v)
+        if b is None:
+            continue
+        lo = min(lo, math.floor(b) - 1)
+        hi = max(hi, math.ceil(b) + 1)
+    # a stray float32 denormal must not squash the picture
+    return max(lo, fmt.min_subnormal_binade - 40, -160), min(hi, fmt.max_binade + 40, 140)
+
+
+def _zones(axis: _Axis, fmt: NumberFormat, y0: float, y1: float) -> list[str]:
+    sub, norm = log2(fmt.smallest_subnormal), log2(fmt.smallest_normal)
+    top = log2(fmt.max)
+    assert sub is not None and norm is not None and top is not None
+    xs, xn, xm = axis.x(sub), axis.x(norm), axis.x(top)
+    h = y1 - y0
+    return [
+        f'<rect x="{n(axis.x0)}" y="{n(y0)}" width="{n(xs - axis.x0)}" height="{n(h)}" '
+        f'fill="url(#hatch)" class="zone-flush"/>',
+        f'<rect x="{n(xs)}" y="{n(y0)}" width="{n(xn - xs)}" height="{n(h)}" '
+        f'fill="{ZONE_SUB}" class="zone-subnormal"/>',
+        f'<rect x="{n(xm)}" y="{n(y0)}" width="{n(axis.x1 - xm)}" height="{n(h)}" '
+        f'fill="{ZONE_OVER}" class="zone-overflow"/>',
+    ]
+
+
+def _limit_lines(axis: _Axis, fmt: NumberFormat, y0: float, y1: float) -> list[str]:
+    out = []
+    for value, colour, dash, cls in (
+        (fmt.smallest_subnormal, MUTED, "4 3", "limit-subnormal"),
+        (fmt.smallest_normal, "#b45309", "", "limit-normal"),
+        (fmt.max, BAD, "", "limit-max"),
+    ):
+        b = log2(value)
+        assert b is not None
+        x = n(axis.x(b))
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        out.append(
+            f'<line class="{cls}" x1="{x}" x2="{x}" y1="{n(y0)}" y2="{n(y1)}" '
+            f'stroke="{colour}" stroke-width="1.5"{dash_attr}/>'
+        )
+    return out
+
+
+def _limit_labels(axis: _Axis, fmt: NumberFormat, y: float) -> list[str]:
+    sub, norm, top = (log2(v) for v in (fmt.smallest_subnormal, fmt.smallest_normal, fmt.max))
+    assert sub is not None and norm is not None and top is not None
+    labels = [
+        (axis.x(sub), "end", MUTED, f"smallest subnormal {pow2_label(fmt.min_subnormal_binade)}"),
+        (axis.x(norm), "start", "#b45309", f"smallest normal {pow2_label(fmt.min_normal_binade)}"),
+        (axis.x(top), "end", BAD, f"{fmt.name} max {fmt.max:g}"),
+    ]
+    out = []
+    for x, anchor, colour, text in labels:
+        dx = -4 if anchor == "end" else 4
+        out.append(
+            f'<text x="{n(x + dx)}" y="{n(y)}" text-anchor="{anchor}" fill="{colour}" '
+            f'font-size="11" font-weight="600">{esc(text)}</text>'
+        )
+    return out
+
+
+def _binade_ticks(axis: _Axis, y0: float, y1: float, label_y: float, max_ticks: int) -> list[str]:
+    step = _tick_step(axis.hi - axis.lo, max_ticks)
+    out = []
+    k = math.ceil(axis.lo / step) * step
+    while k <= axis.hi:
+        x = n(axis.x(k))
+        out.append(f'<line x1="{x}" x2="{x}" y1="{n(y0)}" y2="{n(y1)}" stroke="{GRID}"/>')
+        out.append(
+            f'<text x="{x}" y="{n(label_y)}" text-anchor="middle" fill="{MUTED}" '
+            f'font-size="11">{pow2_label(k)}</text>'
+        )
+        k += step
+    return out
+
+
+_DEFS = (
+    "<defs>"
+    '<pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
+    'patternTransform="rotate(45)">'
+    f'<rect width="6" height="6" fill="#f1f5f9"/>'
+    f'<line x1="0" y1="0" x2="0" y2="6" stroke="{ZONE_FLUSH}" stroke-width="3"/>'
+    "</pattern>"
+    "</defs>"
+)
+
+
+def _short_name(name: str, limit: int) -> str:
+    """Keep the end of a long module name: it is the part that tells siblings apart."""
+    return name if len(name) <= limit else "…" + name[-(limit - 1) :]
+
+
+def _bar(
+    axis: _Axis, stats: TensorStats | None, y: float, h: float, colour: str, cls: str
+) -> list[str]:
+    if stats is None:
+        return []
+    hi, lo = log2(stats.amax), log2(stats.amin)
+    out: list[str] = []
+    if hi is not None:
+        lo = hi if lo is None or lo > hi else lo
+        x0, x1 = axis.x(lo), axis.x(hi)
+        width = max(x1 - x0, 3.0)
+        tip = f"{cls}: {fmt_num(stats.amin)} … {fmt_num(stats.amax)}"
+        out.append(
+            f'<rect class="{cls}" x="{n(x0)}" y="{n(y)}" width="{n(width)}" height="{n(h)}" '
+            f'rx="{n(h / 2)}" fill="{colour}"><title>{esc(tip)}</title></rect>'
+        )
+    if stats.nonfinite:
+        x = axis.x1 - 5
+        cy = y + h / 2
+        out.append(
+            f'<path class="nonfinite-mark" d="M{n(x - 5)} {n(cy)} L{n(x)} {n(cy - 5)} '
+            f'L{n(x + 5)} {n(cy)} L{n(x)} {n(cy + 5)} Z" fill="{BAD}"/>'
+        )
+    return out
+
+
+def _nonfinite_text(stats: TensorStats | None) -> str:
+    if stats is None or not stats.nonfinite:
+        return ""
+    parts = []
+    inf = stats.posinf + stats.neginf
+    if inf:
+        parts.append(f"{fmt_compact(inf)} inf")
+    if stats.nan:
+        parts.append(f"{fmt_compact(stats.nan)} nan")
+    return " ".join(parts)
+
+
+def range_chart(layers: Sequence[LayerStats], fmt: NumberFormat, culprit: str | None) -> str:
+    """One row per module (execution order): forward and backward amin..amax on a log2 axis."""
+    width = 1100
+    label_w, right_w = 260, 96
+    head, row_h = 58, 28
+    axis_values: list[float] = []
+    for layer in layers:
+        for s in (layer.forward, layer.backward):
+            if s is not None:
+                axis_values += [s.amax, s.amin]
+    lo, hi = binade_domain(fmt, axis_values)
+    axis = _Axis(lo, hi, label_w + 8, width - right_w)
+    height = head + row_h * len(layers) + 28
+    body_y0, body_y1 = head - 6, head + row_h * len(layers)
+    parts = [
+        f'<svg class="range-chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} '
+        f'{height}" width="100%" role="img" aria-label="value ranges per module against '
+        f'{esc(fmt.name)} limits" {_FONT}>',
+        _DEFS,
+    ]
+    parts += _zones(axis, fmt, body_y0, body_y1)
+    zone_names = (
+        (lo, log2(fmt.smallest_subnormal), "flushed to 0"),
+        (log2(fmt.smallest_subnormal), log2(fmt.smallest_normal), "subnormal"),
+        (log2(fmt.max), hi, "overflow → inf"),
+    )
+    for a, b, text in zone_names:
+        if a is None or b is None:
+            continue
+        xa, xb = axis.x(a), axis.x(b)
+        if xb - xa > 40:
+            parts.append(
+                f'<text x="{n((xa + xb) / 2)}" y="14" text-anchor="middle" fill="{MUTED}" '
+                f'font-size="11" font-style="italic">{esc(text)}</text>'
+            )
+    parts += _limit_labels(axis, fmt, 30)
+    parts += _binade_ticks(axis, body_y0, body_y1, 47, 16)
+    for i, layer in enumerate(layers):
+        y = head + i * row_h
+        is_culprit = bool(culprit) and layer.module == culprit
+        cls = "range-row culprit" if is_culprit else "range-row"
+        attrs = f' data-culprit="true"' if is_culprit else ""
+        parts.append(f'<g class="{cls}" data-module="{esc(layer.module)}"{attrs}>')
+        parts.append(f"<title>{esc(layer.module)} ({esc(layer.type)})</title>")
+        if is_culprit:
+            parts.append(
+                f'<rect x="0" y="{n(y)}" width="{width}" height="{row_h}" fill="{BAD}" '
+                f'fill-opacity="0.09" stroke="{BAD}" stroke-opacity="0.5" rx="4"/>'
+            )
+        elif i % 2:
+            parts.append(
+                f'<rect x="0" y="{n(y)}" width="{label_w}" height="{row_h}" fill="#f8fafc"/>'
+            )
+        name = _short_name(layer.module or "(root)", 34)
+        weight = ' font-weight="700"' if is_culprit else ""
+        colour = BAD if is_culprit else INK
+        parts.append(
+            f'<text x="8" y="{n(y + 18)}" font-size="12" fill="{colour}"{weight} '
+            f'class="mono">{esc(name)}</text>'
+        )
+        parts += _bar(axis, layer.forward, y + 6, 7, FWD, "forward")
+        parts += _bar(axis, layer.backward, y + 15, 7, BWD, "backward")
+        marks = [t for t in (_nonfinite_text(layer.forward), _nonfinite_text(layer.backward)) if t]
+        if marks:
+            parts.append(
+                f'<text x="{n(axis.x1 + 8)}" y="{n(y + 18)}" font-size="11" fill="{BAD}" '
+                f'font-weight="600">{esc(marks[0])}</text>'
+            )
+        parts.append("</g>")
+    parts += _limit_lines(axis, fmt, body_y0, body_y1)
+    if len(layers) > 14:
+        parts += _binade_ticks(axis, body_y1, body_y1, body_y1 + 16, 16)
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+# ----------------------------------------------------------------------------- line charts
+
+
+@dataclass(frozen=True)
+class Series:
+    """Points of one step-indexed series; ``None`` y is a gap, a non-finite y a red marker."""
+
+    points: list[tuple[int, float | None]]
+    colour: str = FWD
+    step: bool = False  # draw as a step function (a loss scale)
+
+
+def line_chart(
+    series: Series,
+    *,
+    log: str = "",
+    skipped: Iterable[int] = (),
+    fail_step: int | None = None,
+    limit: tuple[float, str] | None = None,
+    width: int = 520,
+    height: int = 190,
+) -> str:
+    """A small step-indexed chart; ``log`` is ``""``, ``"2"`` or ``"10"``."""
+    ml, mr, mt, mb = 56, 14, 14, 26
+    pts = series.points
+    steps = [s for s, _ in pts] or [0]
+    finite = [v for _, v in pts if v is not None and math.isfinite(v) and (not log or v > 0)]
+    values = list(finite)
+    if limit is not None:
+        values.append(limit[0])
+    if not finite:
+        return (
+            f'<svg class="chart empty" viewBox="0 0 {width} 60" width="100%" '
+            f'xmlns="http://www.w3.org/2000/svg"><text x="{width // 2}" y="34" '
+            f'text-anchor="middle" fill="{MUTED}" font-size="13">no finite values recorded'
+            "</text></svg>"
+        )
+
+    def tr(v: float) -> float:
+        return math.log(v, int(log)) if log else v
+
+    ys = [tr(v) for v in values]
+    y_lo, y_hi = min(ys), max(ys)
+    if log:
+        y_lo, y_hi = math.floor(y_lo), math.ceil(y_hi)
+        if y_hi - y_lo < 2:
+            y_lo, y_hi = y_lo - 1, y_hi + 1
+    else:
+        if y_hi == y_lo:
+            y_lo, y_hi = y_lo - 1, y_hi + 1
+        pad = (y_hi - y_lo) * 0.08
+        y_lo = 0.0 if y_lo >= 0 and y_lo - pad < 0 else y_lo - pad
+        y_hi += pad
+    x_lo, x_hi = min(steps), max(steps)
+    if x_hi == x_lo:
+        x_lo, x_hi = x_lo - 0.5, x_hi + 0.5
+    px0, px1, py0, py1 = ml, width - mr, mt, height - mb
+
+    def X(s: float) -> float:
+        return px0 + (s - x_lo) / (x_hi - x_lo) * (px1 - px0)
+
+    def Y(v: float) -> float:
+        t = min(max(tr(v), y_lo), y_hi)
+        return py1 - (t - y_lo) / (y_hi - y_lo) * (py1 - py0)
+
+    out = [
+        f'<svg class="chart" viewBox="0 0 {width} {height}" width="100%" '
+        f'xmlns="http://www.w3.org/2000/svg" {_FONT}>'
+    ]
+    half = max((px1 - px0) / max(x_hi - x_lo, 1) / 2, 1.5)
+    for s in _runs(sorted(set(skipped))):
+        a, b = X(s[0]) - half, X(s[1]) + half
+        out.append(
+            f'<rect class="skipped" x="{n(max(a, px0))}" y="{py0}" '
+            f'width="{n(min(b, px1) - max(a, px0))}" height="{py1 - py0}" fill="#fde68a" '
+            f'fill-opacity="0.45"/>'
+        )
+    # y grid
+    if log:
+        span = y_hi - y_lo
+        step = _tick_step(span, 5)
+        k = math.ceil(y_lo / step) * step
+        while k <= y_hi:
+            y = py1 - (k - y_lo) / (y_hi - y_lo) * (py1 - py0)
+            label = pow2_label(int(k)) if log == "2" else "10" + superscript(int(k))
+            out += _ytick(px0, px1, y, label)
+            k += step
+    else:
+        for t in nice_ticks(y_lo, y_hi, 4):
+            out += _ytick(px0, px1, Y(t), fmt_num(t))
+    # x ticks
+    xt = nice_ticks(x_lo, x_hi, min(8, max(int(x_hi - x_lo), 1)))
+    for t in xt:
+        if float(t).is_integer():
+            out.append(
+                f'<text x="{n(X(t))}" y="{height - 8}" text-anchor="middle" fill="{MUTED}" '
+                f'font-size="11">{int(t)}</text>'
+            )
+    out.append(
+        f'<line x1="{px0}" x2="{px1}" y1="{py1}" y2="{py1}" stroke="#cbd5e1" stroke-width="1"/>'
+    )
+    if limit is not None:
+        y = n(Y(limit[0]))
+        out.append(
+            f'<line class="limit-max" x1="{px0}" x2="{px1}" y1="{y}" y2="{y}" stroke="{BAD}" '
+            f'stroke-width="1.5" stroke-dasharray="5 3"/>'
+            f'<text x="{px1 - 2}" y="{n(Y(limit[0]) - 4)}" text-anchor="end" fill="{BAD}" '
+            f'font-size="11" font-weight="600">{esc(limit[1])}</text>'
+        )
+    if fail_step is not None and x_lo <= fail_step <= x_hi:
+        x = n(X(fail_step))
+        out.append(
+            f'<line class="fail-step" x1="{x}" x2="{x}" y1="{py0}" y2="{py1}" stroke="{BAD}" '
+            f'stroke-width="1.5" stroke-dasharray="3 3"/>'
+        )
+    out += _polyline(series, X, Y, log)
+    for s, v in pts:
+        if v is not None and not math.isfinite(v):
+            x, y = X(s), py0 + 6
+            out.append(
+                f'<g class="nonfinite-point"><title>step {s}: {esc(fmt_num(v))}</title>'
+                f'<path d="M{n(x - 4)} {n(y - 4)} L{n(x + 4)} {n(y + 4)} M{n(x + 4)} {n(y - 4)} '
+                f'L{n(x - 4)} {n(y + 4)}" stroke="{BAD}" stroke-width="2"/></g>'
+            )
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _ytick(px0: float, px1: float, y: float, label: str) -> list[str]:
+    return [
+        f'<line x1="{px0}" x2="{px1}" y1="{n(y)}" y2="{n(y)}" stroke="{GRID}"/>',
+        f'<text x="{px0 - 6}" y="{n(y + 4)}" text-anchor="end" fill="{MUTED}" '
+        f'font-size="11">{esc(label)}</text>',
+    ]
+
+
+def _runs(values: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive integers grouped: [1, 2, 3, 7] -> [(1, 3), (7, 7)]."""
+    out: list[tuple[int, int]] = []
+    for v in values:
+        if out and v == out[-1][1] + 1:
+            out[-1] = (out[-1][0], v)
+        else:
+            out.append((v, v))
+    return out
+
+
+def _polyline(series: Series, X, Y, log: str) -> list[str]:  # noqa: ANN001, N803
+    segments: list[list[tuple[float, float]]] = [[]]
+    prev_y: float | None = None
+    for s, v in series.points:
+        if v is None or not math.isfinite(v) or (log and v <= 0):
+            if segments[-1]:
+                segments.append([])
+            prev_y = None
+            continue
+        x, y = X(s), Y(v)
+        if series.step and prev_y is not None:
+            segments[-1].append((x, prev_y))
+        segments[-1].append((x, y))
+        prev_y = y
+    out = []
+    for seg in segments:
+        if not seg:
+            continue
+        coords = " ".join(f"{n(x)},{n(y)}" for x, y in seg)
+        out.append(
+            f'<polyline points="{coords}" fill="none" stroke="{series.colour}" '
+            f'stroke-width="2" stroke-linejoin="round"/>'
+        )
+        if len(series.points) <= 60:
+            out += [
+                f'<circle cx="{n(x)}" cy="{n(y)}" r="3" fill="#fff" stroke="{series.colour}" '
+                f'stroke-width="1.5"/>'
+                for x, y in seg
+            ]
+    return out
+
+
+# ----------------------------------------------------------------------------- histogram
+
+
+def histogram_chart(stats: TensorStats, fmt: NumberFormat) -> str:
+    """The exponent histogram (binade -> count) with the target's window; non-finite at right."""
+    width, height = 1100, 250
+    ml, mr, mt, mb = 56, 110, 40, 30
+    keys = sorted(stats.hist)
+    lo, hi = binade_domain(fmt, [2.0**k for k in keys] + [2.0 ** (k + 1) for k in keys], pad=1)
+    axis = _Axis(lo, hi, ml, width - mr)
+    py0, py1 = mt, height - mb
+    counts = [c for c in stats.hist.values() if c > 0]
+    top = math.log10(1 + max([*counts, stats.nonfinite, 1]))
+    top = max(math.ceil(top), 1)
+
+    def Y(c: float) -> float:
+        return py1 - math.log10(1 + c) / top * (py1 - py0)
+
+    out = [
+        f'<svg class="hist-chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} '
+        f'{height}" width="100%" role="img" aria-label="exponent histogram" {_FONT}>',
+        _DEFS,
+    ]
+    out += _zones(axis, fmt, py0, py1)
+    for k in range(top + 1):
+        label = "1" if k == 0 else ("10" if k == 1 else "10" + superscript(k))
+        out += _ytick(ml, width - mr, Y(10**k - 1 if k else 0), label if k else "0")
+    out += _binade_ticks(axis, py1, py1 + 4, height - 10, 20)
+    bw = (axis.x1 - axis.x0) / (hi - lo)
+    for k in keys:
+        c = stats.hist[k]
+        if c <= 0:
+            continue
+        x = axis.x(k)
+        y = Y(c)
+        inside = fmt.min_normal_binade <= k <= fmt.max_binade
+        colour = FWD if inside else ("#b45309" if k < fmt.min_normal_binade else BAD)
+        out.append(
+            f'<rect class="hist-bar" x="{n(x + 0.5)}" y="{n(y)}" width="{n(max(bw - 1, 1))}" '
+            f'height="{n(py1 - y)}" fill="{colour}"><title>[{esc(pow2_label(k))}, '
+            f"{esc(pow2_label(k + 1))}): {c:,}</title></rect>"
+        )
+    if stats.nonfinite:
+        x = width - mr + 30
+        y = Y(stats.nonfinite)
+        out.append(
+            f'<rect class="hist-nonfinite" x="{n(x)}" y="{n(y)}" width="28" '
+            f'height="{n(py1 - y)}" fill="{BAD}"><title>{esc(_nonfinite_text(stats))}'
+            f"</title></rect>"
+            f'<text x="{n(x + 14)}" y="{height - 10}" text-anchor="middle" fill="{BAD}" '
+            f'font-size="11" font-weight="600">inf/nan</text>'
+            f'<text x="{n(x + 14)}" y="{n(y - 5)}" text-anchor="middle" fill="{BAD}" '
+            f'font-size="11">{esc(fmt_compact(stats.nonfinite))}</text>'
+        )
+    out += _limit_lines(axis, fmt, py0 - 6, py1)
+    out += _limit_labels(axis, fmt, py0 - 12)
+    out.append("</svg>")
+    return "".join(out)

@@ -1,0 +1,329 @@
+"""The terminal report: rich output that reads at 80 columns and degrades to plain text.
+
+Every user-supplied string (module names, messages, source lines) goes through
+:class:`rich.text.Text`, never through console markup, so a ``[bold]`` in a module name prints as
+written.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.padding import Padding
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from ..formats import NumberFormat
+from ..trace import Failure, Finding, Recommendation, Trace
+from ._common import (
+    ModuleRow,
+    first_line,
+    fmt_binades,
+    fmt_compact,
+    fmt_num,
+    fmt_pct,
+    fmt_scale_short,
+    fmt_value,
+    fold_steps,
+    module_rows,
+    plural,
+    ranked_warnings,
+    scaler_notes,
+    target_format,
+    values_summary,
+    verdict,
+)
+
+__all__ = ["render_terminal"]
+
+_LEVEL_STYLE = {"bad": "bold red", "warn": "yellow", "ok": "green"}
+_VERDICT_STYLE = {"problem": "bold red", "ok": "bold green", "partial": "bold yellow"}
+_MAX_FACTS = 8
+_MAX_WARNINGS = 8
+
+
+def render_terminal(
+    trace: Trace, console: Console, *, show_all: bool = False, max_layers: int = 12
+) -> None:
+    """Print the report for ``trace`` on ``console``.
+
+    ``show_all`` lists every module, step, warning and fact; otherwise long lists are folded
+    (the module table to ``max_layers`` rows) with a line saying how many were left out.
+
+    >>> import io
+    >>> from rich.console import Console
+    >>> from nanhunt.trace import Trace
+    >>> out = io.StringIO()
+    >>> render_terminal(Trace(), Console(file=out, width=80, color_system=None))
+    >>> out.getvalue().splitlines()[1].strip("│ ")
+    'OK: no non-finite values; 0 warnings'
+    """
+    fmt = target_format(trace)
+    console.print(_verdict_panel(trace, fmt))
+    if trace.first_failure is not None:
+        _section(console, "First failure")
+        console.print(_failure(trace.first_failure, fmt))
+    if trace.diagnosis is not None:
+        _section(console, "Diagnosis")
+        console.print(_finding(trace.diagnosis, evidence=True))
+    if trace.warnings:
+        _section(console, f"Warnings ({len(trace.warnings)})")
+        _warnings(console, trace, show_all)
+    if trace.layers:
+        _section(console, f"Modules, worst first (headroom in binades below {fmt.name} max)")
+        _modules(console, trace, fmt, show_all=show_all, max_layers=max_layers)
+    if trace.steps:
+        _section(console, "Timeline")
+        console.print(_timeline(trace, show_all))
+    if trace.recommendations:
+        _section(console, "Recommendations")
+        for i, rec in enumerate(trace.recommendations, 1):
+            console.print(_recommendation(i, rec))
+    if trace.facts:
+        _section(console, "Facts (non-finite values that were not failures)")
+        _facts(console, trace, show_all)
+    if len(trace.ranks) > 1:
+        _section(console, "Ranks")
+        _ranks(console, trace)
+
+
+def _section(console: Console, title: str) -> None:
+    console.print()
+    console.rule(Text(title, style="bold"), align="left", style="dim")
+
+
+def _verdict_panel(trace: Trace, fmt: NumberFormat) -> Panel:
+    v = verdict(trace)
+    body = Text()
+    if v.partial:
+        body.append(v.partial + "\n", style="bold yellow")
+    body.append(v.headline, style=_VERDICT_STYLE[v.level])
+    facts = _run_line(trace, fmt)
+    if facts:
+        body.append("\n" + facts, style="dim")
+    if trace.run.status == "crashed" and trace.run.error:
+        last = first_line(trace.run.error, limit=400)
+        if last and last not in (v.partial or ""):
+            body.append("\n" + last, style="red")
+    return Panel(body, box=box.ROUNDED, expand=True, border_style=_VERDICT_STYLE[v.level])
+
+
+def _run_line(trace: Trace, fmt: NumberFormat) -> str:
+    run = trace.run
+    parts = []
+    if run.script:
+        parts.append(run.script)
+    if run.torch:
+        parts.append(f"torch {run.torch}")
+    if run.device:
+        parts.append(run.device)
+    if run.world_size > 1:
+        parts.append(f"{run.world_size} ranks")
+    mode = [m for m, on in (("autocast", run.autocast), ("GradScaler", run.scaler)) if on]
+    parts.append(f"target {fmt.name}" + (f" ({', '.join(mode)})" if mode else ""))
+    if trace.steps:
+        parts.append(plural(len(trace.steps), "step"))
+    return " · ".join(parts)
+
+
+def _bullets(items: list[str], *, indent: int = 2, style: str = "", mark: str = "•") -> Padding:
+    """A bulleted list whose wrapped lines hang under the text, not under the bullet."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column(overflow="fold")
+    for item in items:
+        grid.add_row(mark, Text(item, style=style))
+    return Padding(grid, (0, 0, 0, indent))
+
+
+def _kv_grid() -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    return grid
+
+
+def _failure(ff: Failure, fmt: NumberFormat) -> Table:
+    grid = _kv_grid()
+    grid.add_row("where", Text(ff.where()))
+    if ff.rank is not None:
+        grid.add_row("rank", Text(str(ff.rank)))
+    if ff.source:
+        grid.add_row("source", Text(ff.source, style="cyan"))
+    if ff.source_line:
+        grid.add_row("", Text("› " + ff.source_line.strip(), style="bold"))
+    s = ff.stats
+    shape = "×".join(str(d) for d in s.shape) if s.shape else "?"
+    grid.add_row("tensor", Text(f"{s.dtype} [{shape}], {s.numel:,} values"))
+    grid.add_row("values", Text(", ".join(values_summary(s, fmt)), style="red"))
+    grid.add_row("limit", Text(f"{fmt.name} max {fmt.max:g}"))
+    if ff.detail:
+        grid.add_row("detail", Text(ff.detail))
+    return grid
+
+
+def _finding(f: Finding, *, evidence: bool) -> Group:
+    head = Text()
+    style = "bold red" if f.severity == "error" else "yellow"
+    head.append(f.kind.replace("_", " "), style=style)
+    head.append(f" ({f.rule})", style="dim")
+    head.append(": ")
+    head.append(f.message)
+    parts: list[RenderableType] = [head]
+    if evidence and f.evidence:
+        parts.append(_bullets(f.evidence))
+    return Group(*parts)
+
+
+def _warnings(console: Console, trace: Trace, show_all: bool) -> None:
+    warnings = ranked_warnings(trace)
+    shown = warnings if show_all else warnings[:_MAX_WARNINGS]
+    for w in shown:
+        line = Text("▲ ", style="yellow")
+        line.append(w.kind.replace("_", " "), style="yellow")
+        if w.module:
+            line.append(" · ")
+            line.append(w.module, style="bold")
+        line.append(f"  score {w.score:.2f}", style="dim")
+        console.print(line)
+        console.print(Padding(Text(w.message), (0, 0, 0, 2)))
+        if show_all and w.evidence:
+            console.print(_bullets(w.evidence, indent=4, style="dim"))
+    _more(console, len(warnings) - len(shown), "warning")
+
+
+def _more(console: Console, hidden: int, what: str) -> None:
+    if hidden > 0:
+        console.print(Text(f"… {plural(hidden, 'more ' + what)} (use --all)", style="dim"))
+
+
+def _modules(
+    console: Console, trace: Trace, fmt: NumberFormat, *, show_all: bool, max_layers: int
+) -> None:
+    rows = module_rows(trace, fmt)
+    shown = rows if show_all else rows[: max(max_layers, 0)]
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0), expand=True)
+    table.add_column("module", overflow="fold", ratio=1)
+    table.add_column("type", overflow="ellipsis", no_wrap=True, width=10)
+    table.add_column("fwd\namax", justify="right", no_wrap=True, width=8)
+    table.add_column("bwd\namax", justify="right", no_wrap=True, width=8)
+    table.add_column("head-\nroom", justify="right", no_wrap=True, width=5)
+    table.add_column("under\nflow", justify="right", no_wrap=True, width=5)
+    table.add_column("nan/\ninf", justify="right", no_wrap=True, width=5)
+    for r in shown:
+        table.add_row(*_module_cells(r), style="bold" if r.culprit else None)
+    console.print(table)
+    _more(console, len(rows) - len(shown), "module")
+    if any(r.culprit for r in shown):
+        console.print(Text("▶ first failure", style="dim"))
+
+
+def _module_cells(r: ModuleRow) -> list[RenderableType]:
+    style = _LEVEL_STYLE[r.level]
+    name = Text("▶ ", style="bold red") if r.culprit else Text()
+    name.append(r.module or "(root)")
+    return [
+        name,
+        Text(r.type, style="dim"),
+        Text(fmt_num(r.fwd_amax)),
+        Text(fmt_num(r.bwd_amax)),
+        Text(fmt_binades(r.headroom), style=style),
+        Text(fmt_pct(r.underflow), style="yellow" if r.underflow > 0.1 else ""),
+        Text(fmt_compact(r.nonfinite), style="bold red" if r.nonfinite else "dim"),
+    ]
+
+
+def _timeline(trace: Trace, show_all: bool) -> Table:
+    notes = scaler_notes(trace)
+    fail_step = trace.first_failure.step if trace.first_failure else None
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0))
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("loss", justify="right", no_wrap=True)
+    table.add_column("scale", justify="right", no_wrap=True)
+    table.add_column("skipped", no_wrap=True)
+    table.add_column("grad norm", justify="right", no_wrap=True)
+    table.add_column("note", overflow="fold", ratio=1)
+    for item in fold_steps(trace, show_all=show_all):
+        if isinstance(item, int):
+            table.add_row("…", "", "", "", "", Text(f"{plural(item, 'step')} hidden", style="dim"))
+            continue
+        s = item
+        note = []
+        if s.index == fail_step:
+            note.append("first failure")
+        elif s.nonfinite:
+            note.append("non-finite")
+        if s.index in notes:
+            note.append(notes[s.index])
+        bad = s.loss is not None and not math.isfinite(s.loss)
+        table.add_row(
+            str(s.index),
+            Text(fmt_num(s.loss), style="bold red" if bad else ""),
+            fmt_scale_short(s.scale) if s.scale is not None else "—",
+            Text("skipped", style="yellow") if s.skipped else Text("·", style="dim"),
+            fmt_num(s.grad_norm),
+            Text(", ".join(note), style="red" if s.nonfinite else "dim"),
+            style="bold" if s.index == fail_step else None,
+        )
+    return table
+
+
+def _recommendation(i: int, rec: Recommendation) -> Group:
+    head = Text(f"{i}. ", style="bold")
+    head.append(rec.type, style="bold cyan")
+    value = fmt_value(rec.value)
+    if rec.module:
+        head.append(" · ")
+        head.append(rec.module, style="bold")
+    if value and value != rec.module:
+        head.append(" · value ")
+        head.append(value, style="bold")
+    check = (
+        Text("verified", style="bold green")
+        if rec.verified
+        else Text("not verified", style="yellow")
+    )
+    if rec.verification:
+        check.append(": " + rec.verification, style="")
+    mark = Text("✓", style="bold green") if rec.verified else Text("✗", style="yellow")
+    status = Table.grid(padding=(0, 1))
+    status.add_column(no_wrap=True)
+    status.add_column(overflow="fold")
+    status.add_row(mark, check)
+    parts: list[RenderableType] = [head, Padding(status, (0, 0, 0, 3))]
+    if rec.evidence:
+        parts.append(_bullets(rec.evidence, indent=3, style="dim"))
+    if rec.snippet:
+        code = Syntax(
+            rec.snippet.rstrip("\n"),
+            "python",
+            theme="ansi_dark",
+            background_color="default",
+            word_wrap=True,
+        )
+        parts.append(Padding(code, (1, 0, 1, 3)))
+    else:
+        parts.append(Text())
+    return Group(*parts)
+
+
+def _facts(console: Console, trace: Trace, show_all: bool) -> None:
+    shown = trace.facts if show_all else trace.facts[:_MAX_FACTS]
+    console.print(_bullets(shown, indent=0))
+    _more(console, len(trace.facts) - len(shown), "fact")
+
+
+def _ranks(console: Console, trace: Trace) -> None:
+    for r in trace.ranks:
+        line = Text(f"rank {r.rank}: ", style="bold")
+        if not r.answered:
+            line.append("did not answer", style="yellow")
+        elif r.first_failure is not None:
+            line.append("first failure at " + r.first_failure.where(), style="red")
+        else:
+            line.append(f"no non-finite values in {plural(len(r.steps), 'step')}", style="green")
+        console.print(line)

@@ -1,0 +1,50 @@
+"""Shared fixtures: every test must leave torch's global hook tables as it found them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.modules import module as _M
+from torch.optim import optimizer as _O
+
+
+def global_hook_counts() -> dict[str, int]:
+    # _global_forward_hooks_with_kwargs keeps stale ids after remove(): not counted
+    return {
+        "fwd_pre": len(_M._global_forward_pre_hooks),
+        "fwd": len(_M._global_forward_hooks),
+        "bwd_pre": len(_M._global_backward_pre_hooks),
+        "bwd": len(_M._global_backward_hooks),
+        "optim_pre": len(_O._global_optimizer_pre_hooks),
+        "optim_post": len(_O._global_optimizer_post_hooks),
+        "dispatch_modes": torch._C._len_torch_dispatch_stack(),
+        "function_modes": torch._C._len_torch_function_stack(),
+    }
+
+
+def _patched_methods() -> dict[str, object]:
+    return {
+        "Tensor.backward": torch.Tensor.__dict__["backward"],
+        "GradScaler.scale": torch.amp.GradScaler.__dict__["scale"],
+        "GradScaler.update": torch.amp.GradScaler.__dict__["update"],
+    }
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_hooks():
+    before, patched = global_hook_counts(), _patched_methods()
+    yield
+    assert global_hook_counts() == before, "a test left a global hook or mode behind"
+    assert _patched_methods() == patched, "a test left a patched torch method behind"
+    import nanhunt.capture as cap
+
+    assert cap._ACTIVE is None, "a test left a nanhunt session active"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

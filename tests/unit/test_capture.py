@@ -1,0 +1,392 @@
+"""The core engine on small CPU models: where the first non-finite value appeared."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections import namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+import nanhunt
+from nanhunt import capture
+
+# ----------------------------------------------------------------------------- models
+
+
+class FFN(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.wi = nn.Linear(d, 4 * d)
+        self.act = nn.ReLU()
+        self.wo = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.wo(self.act(self.wi(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.ffn = FFN(d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(x + self.ffn(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, d: int = 8, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d) for _ in range(n)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.encoder = Encoder(d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def amp_step(model, opt, scaler, x, y, crit=nn.CrossEntropyLoss()):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = crit(model(x), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss
+
+
+def batches(n, d=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, d, generator=g), torch.randint(0, 2, (16,), generator=g))
+            for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def test_forward_overflow_in_named_submodule():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with nanhunt.watch(model, opt, scaler) as hunt:
+        for step, (x, y) in enumerate(batches(5)):
+            if step == 3:
+                with torch.no_grad():
+                    model.encoder.blocks[1].ffn.wo.weight.mul_(1e6)
+            amp_step(model, opt, scaler, x, y)
+    f = hunt.first_failure
+    assert (f.step, f.phase, f.module, f.tensor) == (3, "forward", "encoder.blocks.1.ffn.wo",
+                                                     "output")
+    assert f.stats.nonfinite > 0
+    # everything before step 3 was finite, and every step is recorded (skipped ones too)
+    assert [s.index for s in hunt.steps] == [0, 1, 2, 3, 4]
+    assert [s.skipped for s in hunt.steps] == [False, False, False, True, True]
+    assert all(torch.isfinite(torch.tensor(s.loss)) for s in hunt.steps[:3])
+
+
+def test_backward_only_nan_is_found_in_backward():
+    class Norm(nn.Module):
+        def forward(self, x):
+            return torch.sqrt((x * x).sum(-1, keepdim=True))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.norm = Norm()
+
+        def forward(self, x):
+            return self.norm(self.fc(x))
+
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt) as hunt:
+        for step in range(3):
+            x = torch.randn(5, 4)
+            if step == 1:
+                with torch.no_grad():
+                    model.fc.weight.zero_()
+                    model.fc.bias.zero_()
+            opt.zero_grad()
+            out = model(x)
+            if step <= 1:
+                assert torch.isfinite(out).all()
+            out.mean().backward()
+            opt.step()
+    f = hunt.first_failure
+    assert (f.step, f.phase, f.module, f.tensor) == (1, "backward", "norm", "grad_input[0]")
+
+
+def test_optimizer_step_makes_fp16_weights_non_finite():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=6e4)
+    x = (torch.randn(16, 4) * 10).half()
+    with nanhunt.watch(model, opt) as hunt:
+        for _ in range(3):
+            opt.zero_grad()
+            loss = (model(x).float() * 100).pow(2).mean()
+            loss.backward()
+            opt.step()
+    f = hunt.first_failure
+    assert f.phase == "optimizer"
+    assert f.step == 0
+    assert f.module in ("0", "2")
+    assert f.tensor in ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert hunt.steps[0].loss == pytest.approx(hunt.steps[0].loss)  # finite
+
+
+def test_nan_in_batch_is_phase_data():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with nanhunt.watch(model, opt, scaler) as hunt:
+        for step, (x, y) in enumerate(batches(5)):
+            if step == 2:
+                x[5, 3] = float("nan")
+            amp_step(model, opt, scaler, x, y)
+    f = hunt.first_failure
+    assert (f.step, f.phase, f.module, f.tensor) == (2, "data", "Net", "input[0]")
+    assert f.stats.nan == 1
+    assert hunt.failure_extra["bad_samples"] == {"input[0]": [5]}
+
+
+def test_nested_output_containers_are_walked():
+    Out = namedtuple("Out", ["logits", "aux"])
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, *, scale):
+            h = self.fc(x)
+            return {"pair": (h, h * 2), "named": Out(h * scale, [h.sum()])}
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            out = self.inner(x, scale=torch.tensor(float("inf")))
+            return out["pair"][0].sum() + out["named"].logits.sum()
+
+    model = Outer()
+    with nanhunt.watch(model) as hunt:
+        model(torch.randn(2, 4)).backward()
+    f = hunt.first_failure
+    # the kwarg 'scale' is the first non-finite value; it was made in Outer's own code
+    assert f.phase == "forward"
+    assert f.module == "Outer"
+    assert f.tensor == "input['scale'] of inner"
+    recs = {r.tensor for r in hunt.records(0) if r.module == "inner"}
+    assert {"output['pair'][0]", "output['pair'][1]", "output['named'].logits",
+            "output['named'].aux[0]"} <= recs
+
+
+def test_module_called_twice_weight_sharing():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.big = nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x):
+            h = self.fc(x)          # first call: finite
+            h = h * self.big
+            return self.fc(h)       # second call: overflows in fp16
+
+    torch.manual_seed(0)
+    model = Shared().half()
+    with torch.no_grad():
+        model.big.fill_(1e4)
+        model.fc.weight.fill_(1.0)
+    with nanhunt.watch(model) as hunt:
+        model(torch.ones(2, 4).half()).float().sum().backward()
+    f = hunt.first_failure
+    assert (f.module, f.tensor, f.phase) == ("fc", "output", "forward")
+    layer = next(lay for lay in hunt.layers if lay.module == "fc")
+    assert layer.calls == 2
+
+
+def test_scaler_skip_alone_is_not_a_failure():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    with nanhunt.watch(model, opt, scaler) as hunt:
+        for x, y in batches(12):
+            amp_step(model, opt, scaler, x, y)
+    assert hunt.first_failure is None
+    skipped = [s.skipped for s in hunt.steps]
+    assert skipped[0] is True and skipped[-1] is False
+    assert hunt.steps[0].scale == 2.0**24
+    assert hunt.steps[1].scale == 2.0**23
+    assert any("skipped" in fact for fact in hunt.facts)
+    assert [e.event for e in hunt.scaler_events][:1] == ["backoff"]
+
+
+def test_scale_collapse_is_a_loss_scaling_problem():
+    class Norm(nn.Module):
+        def forward(self, x):
+            return torch.sqrt((x * x).sum(-1, keepdim=True) * 0)
+
+    model = nn.Sequential(nn.Linear(4, 4), Norm())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    with nanhunt.watch(model, opt, scaler) as hunt:
+        for _ in range(6):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(3, 4)).float().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    f = hunt.first_failure
+    assert hunt.problem == "collapse"
+    assert f.phase == "loss_scaling"
+    assert f.step == 0  # the start of the run of skipped steps
+    assert f.module == "1"
+
+
+def test_ring_buffer_is_bounded():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, opt, keep_steps=3) as hunt:
+        for _ in range(10):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    assert len(hunt._steps) == 3
+    assert len(hunt.steps) == 10
+    assert hunt.records(9) and not hunt.records(2)
+
+
+def test_one_transfer_per_step(monkeypatch):
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    transfers = []
+    real = torch.Tensor.cpu
+
+    def counting_cpu(self, *a, **k):
+        transfers.append(hunt.step)
+        return real(self, *a, **k)
+
+    hunt = nanhunt.Hunt(model, opt, scaler)
+    hunt.start()
+    monkeypatch.setattr(torch.Tensor, "cpu", counting_cpu)
+    try:
+        for x, y in batches(4):
+            amp_step(model, opt, scaler, x, y)
+    finally:
+        monkeypatch.undo()
+        hunt.stop()
+    assert transfers == [0, 1, 2, 3]
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+def test_hooks_are_removed_even_when_the_step_raises():
+    model = Net()
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom), nanhunt.watch(model):
+        model(torch.randn(2, 8))
+        raise Boom
+    assert capture._ACTIVE is None  # and the autouse fixture checks the hook tables
+
+
+def test_second_concurrent_session_is_refused():
+    with nanhunt.watch(nn.Linear(2, 2)), pytest.raises(nanhunt.NanhuntError, match="already"):
+        nanhunt.Hunt().start()
+
+
+def test_no_reference_keeps_the_model_alive():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, opt) as hunt:
+        for x, y in batches(2):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    ref = weakref.ref(model)
+    del model, opt, x, y
+    gc.collect()
+    assert ref() is None
+    assert hunt.steps  # the results outlive the model
+
+
+def test_start_stop_api_and_layers():
+    model = Net()
+    hunt = nanhunt.Hunt(model)
+    hunt.start()
+    try:
+        model(torch.randn(3, 8)).sum().backward()
+        hunt.end_step()
+    finally:
+        hunt.stop()
+    names = [lay.module for lay in hunt.layers]
+    assert "encoder.blocks.0.ffn.wi" in names and "head" in names
+    wi = next(lay for lay in hunt.layers if lay.module == "encoder.blocks.0.ffn.wi")
+    assert wi.forward.amax > 0 and wi.backward.amax > 0 and wi.param_grad.amax > 0
+    assert wi.type == "Linear"
+
+
+# ----------------------------------------------------------------------------- no change
+
+
+def _train(use_hunt: bool, half: bool) -> tuple[list[float], dict]:
+    torch.manual_seed(1234)
+    model = Net()
+    if half:
+        model = model.half()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4 if half else 1e-8)
+    scaler = torch.amp.GradScaler("cpu", enabled=not half)
+    losses = []
+    hunt = nanhunt.Hunt(model, opt, scaler) if use_hunt else None
+    if hunt:
+        hunt.start()
+    try:
+        for x, y in batches(6):
+            if half:
+                loss = nn.functional.cross_entropy(model(x.half()).float(), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            else:
+                loss = amp_step(model, opt, scaler, x, y)
+            losses.append(loss.item())
+    finally:
+        if hunt:
+            hunt.stop()
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["autocast+scaler+adamw", "half"])
+def test_nanhunt_changes_nothing(half):
+    plain_losses, plain_state = _train(False, half)
+    hunt_losses, hunt_state = _train(True, half)
+    assert plain_losses == hunt_losses
+    for k in plain_state:
+        assert torch.equal(plain_state[k], hunt_state[k]), k
