@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import fnmatch
+import inspect
 import math
 import sys
 import threading
@@ -32,7 +33,16 @@ from . import stats as _stats
 from .errors import NanhuntError
 from .formats import NumberFormat, get_format
 from .locate import Rec, find_origin
-from .trace import Failure, LayerStats, ScalerEvent, StepRecord, TensorRecord, TensorStats
+from .trace import (
+    Failure,
+    LayerStats,
+    RunInfo,
+    ScalerEvent,
+    StepRecord,
+    TensorRecord,
+    TensorStats,
+    Trace,
+)
 
 __all__ = ["Hunt", "StopRun", "watch"]
 
@@ -116,6 +126,7 @@ def _variable_name(obj: object) -> str | None:
 
 
 _THIS_PACKAGE_DIR = __file__.rsplit("/", 1)[0]
+_HIST_OFFSET = 320  # gradient histograms span binades -320..319 (room to unscale)
 
 
 # ----------------------------------------------------------------------------- per-step state
@@ -195,6 +206,7 @@ class _LayerAcc:
     param_grad: np.ndarray | None = None
     fwd_by_step: dict[int, float] = field(default_factory=dict)
     bwd_by_step: dict[int, float] = field(default_factory=dict)
+    param_by_step: dict[int, float] = field(default_factory=dict)
 
 
 def _merge_rows(acc: np.ndarray | None, row: np.ndarray) -> np.ndarray:
@@ -219,6 +231,7 @@ class Snapshot:
     phase: str
     step: int
     stale_inputs: list[str] = field(default_factory=list)
+    call_site: tuple[str, int, str] | None = None  # where the parent's forward calls it
 
 
 # ----------------------------------------------------------------------------- the session
@@ -265,7 +278,9 @@ class Hunt:
         sample_every: int = 1,
         keep_tensors: bool = True,
         stop_on_problem: bool = False,
+        max_steps: int | None = None,
         collapse_scale: float = 1.0,
+        on_step: Any = None,
     ) -> None:
         if keep_steps < 1:
             raise NanhuntError("keep_steps must be at least 1")
@@ -279,6 +294,8 @@ class Hunt:
         self.keep_tensors = keep_tensors
         self.stop_on_problem = stop_on_problem
         self.collapse_scale = collapse_scale
+        self.max_steps = max_steps
+        self.on_step = on_step  # called with each finished StepRecord (the CLI's live line)
         self._model_ref = weakref.ref(model) if model is not None else None
         self._optimizer_ref = weakref.ref(optimizer) if optimizer is not None else None
         self._scaler_ref = weakref.ref(scaler) if scaler is not None else None
@@ -302,6 +319,7 @@ class Hunt:
         self._step_records: dict[int, StepRecord] = {}
         self._step_order: deque[int] = deque(maxlen=max(self.keep_steps, 10_000))
         self._layers: dict[str, _LayerAcc] = {}
+        self._grad_hist: dict[str, np.ndarray] = {}
         self._names = WeakIdKeyDictionary()  # module -> name
         self._types: dict[str, str] = {}
         self._roots: list[tuple[weakref.ref, str]] = []
@@ -315,6 +333,7 @@ class Hunt:
         self._problem_steps: list[int] = []
         self._stop_pending = False
         self._saw_optimizer = False
+        self._failure_order = self._origin_order = 0
         self._counted_skips: set[int] = set()
         self._metas: list[_Meta] = []  # this step's rows (and rows still queued from the last)
         self._flushed = 0  # how many of self._metas have crossed to the host
@@ -779,12 +798,17 @@ class Hunt:
         if self._step not in self._step_order:
             self._step_order.append(self._step)
         self._clear_step_handles()
-        stop = self._stop_pending
+        stop = self._stop_pending and self.stop_on_problem
+        if self.on_step is not None:
+            self.on_step(self._step_records[self._step], self)
         self._step += 1
         self._begin_step_state()
-        if stop and self.stop_on_problem:
+        if stop:
             self._stop_pending = False
-            raise StopRun(f"nanhunt stopped the script after step {self._step - 1}")
+            raise StopRun(f"nanhunt stopped the script after step {self._step - 1}, "
+                          "where the first non-finite value appeared")
+        if self.max_steps is not None and self._step >= self.max_steps:
+            raise StopRun(f"nanhunt stopped the script after {self._step} steps (--max-steps)")
 
     def _clear_step_handles(self) -> None:
         for h in self._grad_handles:
@@ -849,15 +873,28 @@ class Hunt:
                 d.optimizer_ran = True
             elif key == "grad_sumsq":
                 d.grad_sumsq = float(value)
+        arrived = []
         for meta, row in zip(new, matrix):
             d = touched.setdefault(meta.step, self._data_for(meta.step))
             d.metas.append(meta)
             d.rows.append(row)
-            self._accumulate(meta, row, d)
+            arrived.append((meta, row, d))
         for step in sorted(touched):
             self._update_step(touched[step])
+        for meta, row, d in arrived:
+            if self._before_failure(meta):
+                self._accumulate(meta, row, d)
+
+    def _before_failure(self, meta: _Meta) -> bool:
+        """Per-layer ranges stop at the origin: what follows it is contaminated."""
+        f = self.first_failure
+        if f is None or meta.step < f.step:
+            return True
+        return meta.step == f.step and meta.order <= self._failure_order
 
     def _accumulate(self, meta: _Meta, row: np.ndarray, d: _StepData) -> None:
+        if meta.phase == "backward":
+            self._add_grad_hist(meta.dtype, row, d.scale)
         owner = meta.owner
         if not owner:
             return
@@ -874,6 +911,29 @@ class Hunt:
             acc.bwd_by_step[meta.step] = max(acc.bwd_by_step.get(meta.step, 0.0), float(row[5]))
         elif meta.role == "param_grad":
             acc.param_grad = _merge_rows(acc.param_grad, row)
+        elif meta.role == "param":
+            acc.param_by_step[meta.step] = max(acc.param_by_step.get(meta.step, 0.0),
+                                               float(row[5]))
+
+    def _add_grad_hist(self, dtype: str, row: np.ndarray, scale: float | None) -> None:
+        """Add a gradient's exponent histogram, unscaled, to the run's histogram."""
+        shift = 0
+        if scale and scale > 0 and math.isfinite(scale):
+            shift = round(math.log2(scale))
+        hist = self._grad_hist.get(dtype)
+        if hist is None:
+            hist = self._grad_hist[dtype] = np.zeros(2 * _HIST_OFFSET, dtype=np.float64)
+        lo = _HIST_OFFSET + 1 - 127 - shift  # index of exponent-field 1's binade
+        if 0 <= lo and lo + 254 <= len(hist):
+            hist[lo:lo + 254] += row[_stats._HEAD + 1:_stats._HEAD + 255]
+
+    def grad_histograms(self) -> dict[str, dict[int, int]]:
+        """Unscaled gradient exponent histograms (binade -> count), by gradient dtype."""
+        out = {}
+        for dtype, hist in self._grad_hist.items():
+            nz = np.nonzero(hist)[0]
+            out[dtype] = {int(i) - _HIST_OFFSET: int(hist[i]) for i in nz}
+        return out
 
     def _update_step(self, d: _StepData) -> None:
         rec = self._step_records.get(d.index)
@@ -947,6 +1007,7 @@ class Hunt:
         if failure is None:
             return
         self.first_failure = failure
+        self._failure_order = self._origin_order
         self._take_snapshot(d, origin_step)
         self._stop_pending = True
         self._full = True
@@ -990,6 +1051,7 @@ class Hunt:
                                detail="the loss was non-finite")
             return None
         m, r = d.metas[origin.index], d.rows[origin.index]
+        self._origin_order = m.order
         phase = m.phase
         if problem == "collapse":
             phase = "loss_scaling" if m.phase == "backward" else m.phase
@@ -1050,9 +1112,29 @@ class Hunt:
             grads = [g.detach().clone() if g is not None else None for g in grads]
         self.snapshot = Snapshot(module=module, name=call.name, args=args, kwargs=kwargs,
                                  grad_outputs=grads, autocast=call.autocast, phase=f.phase,
-                                 step=f.step, stale_inputs=stale)
+                                 step=f.step, stale_inputs=stale,
+                                 call_site=self._call_site(call))
         if f.phase == "data":
             self._bad_samples(call)
+
+    def _call_site(self, call: _Call) -> tuple[str, int, str] | None:
+        """The line in the parent's forward that calls the culprit (file, line, text)."""
+        if call.parent is None:
+            return None
+        parent = self._calls[call.parent].module
+        attr = call.name.rsplit(".", 1)[-1]
+        parts = call.name.split(".")
+        if attr.isdigit() and len(parts) >= 2:  # a ModuleList / Sequential element
+            attr = parts[-2]
+        try:
+            lines, start = inspect.getsourcelines(type(parent).forward)
+            fname = inspect.getsourcefile(type(parent).forward) or ""
+        except (OSError, TypeError):
+            return None
+        for i, line in enumerate(lines):
+            if f"self.{attr}" in line:
+                return fname, start + i, line.strip()
+        return None
 
     def _bad_samples(self, call: _Call) -> None:
         for path, t in _call_leaves(call.args, call.kwargs):
@@ -1077,6 +1159,30 @@ class Hunt:
             param_grad=conv(acc.param_grad),
             forward_amax_by_step=dict(acc.fwd_by_step),
             backward_amax_by_step=dict(acc.bwd_by_step),
+            param_amax_by_step=dict(acc.param_by_step),
+        )
+
+    def trace(self, run: RunInfo | None = None) -> Trace:
+        """Everything recorded so far as a torch-free :class:`~nanhunt.trace.Trace`."""
+        run = run or RunInfo()
+        run.target = self.target
+        run.dtypes = sorted(self.dtypes)
+        run.autocast = run.autocast or self.autocast_seen
+        run.scaler = run.scaler or self.scaler_seen
+        if not run.device:
+            run.device = ", ".join(sorted(self.devices)) or "cpu"
+        failure = copy.deepcopy(self.first_failure)
+        if failure is not None and self.failure_extra.get("bad_samples"):
+            failure.bad_samples = dict(self.failure_extra["bad_samples"])
+        return Trace(
+            run=run,
+            steps=copy.deepcopy(self.steps),
+            layers=self.layers,
+            first_failure=failure,
+            problem=self.first_failure is not None,
+            facts=list(self.facts),
+            scaler_events=list(self.scaler_events),
+            grad_hist=self.grad_histograms(),
         )
 
 

@@ -155,6 +155,7 @@ class LayerStats:
     param_grad: TensorStats | None = None  # gradients of its own parameters (unscaled)
     forward_amax_by_step: dict[int, float] = field(default_factory=dict)
     backward_amax_by_step: dict[int, float] = field(default_factory=dict)
+    param_amax_by_step: dict[int, float] = field(default_factory=dict)  # after each update
 
 
 @dataclass
@@ -186,6 +187,7 @@ class Failure:
     source_line: str | None = None  # that line's text
     rank: int | None = None
     detail: str = ""
+    bad_samples: dict[str, list[int]] = field(default_factory=dict)  # input -> sample indices
 
     def where(self) -> str:
         parts = [f"step {self.step}", self.phase]
@@ -271,6 +273,9 @@ class Trace:
     ops: list[OpRecord] = field(default_factory=list)  # op-level replay of the culprit
     ranks: list[RankSummary] = field(default_factory=list)
     snapshot: str | None = None  # file name of the culprit snapshot, beside the report
+    # unscaled gradient exponent histograms (binade -> count) by the gradients' dtype
+    grad_hist: dict[str, dict[int, int]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # limits of this report (e.g. a stage failed)
     schema_version: int = SCHEMA_VERSION
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ..formats import NumberFormat
@@ -105,10 +105,17 @@ def binade_domain(fmt: NumberFormat, values: Iterable[float], pad: int = 2) -> t
     return max(lo, fmt.min_subnormal_binade - 40, -160), min(hi, fmt.max_binade + 40, 140)
 
 
+def _limits(fmt: NumberFormat) -> tuple[float, float, float]:
+    """log2 of the smallest subnormal, the smallest normal and the max."""
+    return (
+        math.log2(fmt.smallest_subnormal),
+        math.log2(fmt.smallest_normal),
+        math.log2(fmt.max),
+    )
+
+
 def _zones(axis: _Axis, fmt: NumberFormat, y0: float, y1: float) -> list[str]:
-    sub, norm = log2(fmt.smallest_subnormal), log2(fmt.smallest_normal)
-    top = log2(fmt.max)
-    assert sub is not None and norm is not None and top is not None
+    sub, norm, top = _limits(fmt)
     xs, xn, xm = axis.x(sub), axis.x(norm), axis.x(top)
     h = y1 - y0
     return [
@@ -123,13 +130,12 @@ def _zones(axis: _Axis, fmt: NumberFormat, y0: float, y1: float) -> list[str]:
 
 def _limit_lines(axis: _Axis, fmt: NumberFormat, y0: float, y1: float) -> list[str]:
     out = []
-    for value, colour, dash, cls in (
-        (fmt.smallest_subnormal, MUTED, "4 3", "limit-subnormal"),
-        (fmt.smallest_normal, "#b45309", "", "limit-normal"),
-        (fmt.max, BAD, "", "limit-max"),
+    sub, norm, top = _limits(fmt)
+    for b, colour, dash, cls in (
+        (sub, MUTED, "4 3", "limit-subnormal"),
+        (norm, "#b45309", "", "limit-normal"),
+        (top, BAD, "", "limit-max"),
     ):
-        b = log2(value)
-        assert b is not None
         x = n(axis.x(b))
         dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
         out.append(
@@ -139,9 +145,13 @@ def _limit_lines(axis: _Axis, fmt: NumberFormat, y0: float, y1: float) -> list[s
     return out
 
 
-def _limit_labels(axis: _Axis, fmt: NumberFormat, y: float) -> list[str]:
-    sub, norm, top = (log2(v) for v in (fmt.smallest_subnormal, fmt.smallest_normal, fmt.max))
-    assert sub is not None and norm is not None and top is not None
+def _text_width(text: str, size: float = 11) -> float:
+    """A rough rendered width (bold sans-serif) used to keep labels inside the chart."""
+    return len(text) * size * 0.62
+
+
+def _limit_labels(axis: _Axis, fmt: NumberFormat, y: float, left: float = 0) -> list[str]:
+    sub, norm, top = _limits(fmt)
     labels = [
         (axis.x(sub), "end", MUTED, f"smallest subnormal {pow2_label(fmt.min_subnormal_binade)}"),
         (axis.x(norm), "start", "#b45309", f"smallest normal {pow2_label(fmt.min_normal_binade)}"),
@@ -149,6 +159,8 @@ def _limit_labels(axis: _Axis, fmt: NumberFormat, y: float) -> list[str]:
     ]
     out = []
     for x, anchor, colour, text in labels:
+        if anchor == "end" and x - 4 - _text_width(text) < left:
+            anchor = "start"
         dx = -4 if anchor == "end" else 4
         out.append(
             f'<text x="{n(x + dx)}" y="{n(y)}" text-anchor="{anchor}" fill="{colour}" '
@@ -247,14 +259,8 @@ def range_chart(layers: Sequence[LayerStats], fmt: NumberFormat, culprit: str | 
         _DEFS,
     ]
     parts += _zones(axis, fmt, body_y0, body_y1)
-    zone_names = (
-        (lo, log2(fmt.smallest_subnormal), "flushed to 0"),
-        (log2(fmt.smallest_subnormal), log2(fmt.smallest_normal), "subnormal"),
-        (log2(fmt.max), hi, "overflow → inf"),
-    )
-    for a, b, text in zone_names:
-        if a is None or b is None:
-            continue
+    sub, norm, top = _limits(fmt)
+    for a, b, text in ((lo, sub, "flushed to 0"), (sub, norm, "subnormal"), (top, hi, "overflow")):
         xa, xb = axis.x(a), axis.x(b)
         if xb - xa > 40:
             parts.append(
@@ -267,7 +273,7 @@ def range_chart(layers: Sequence[LayerStats], fmt: NumberFormat, culprit: str | 
         y = head + i * row_h
         is_culprit = bool(culprit) and layer.module == culprit
         cls = "range-row culprit" if is_culprit else "range-row"
-        attrs = f' data-culprit="true"' if is_culprit else ""
+        attrs = ' data-culprit="true"' if is_culprit else ""
         parts.append(f'<g class="{cls}" data-module="{esc(layer.module)}"{attrs}>')
         parts.append(f"<title>{esc(layer.module)} ({esc(layer.type)})</title>")
         if is_culprit:
@@ -360,10 +366,10 @@ def line_chart(
         x_lo, x_hi = x_lo - 0.5, x_hi + 0.5
     px0, px1, py0, py1 = ml, width - mr, mt, height - mb
 
-    def X(s: float) -> float:
+    def to_x(s: float) -> float:
         return px0 + (s - x_lo) / (x_hi - x_lo) * (px1 - px0)
 
-    def Y(v: float) -> float:
+    def to_y(v: float) -> float:
         t = min(max(tr(v), y_lo), y_hi)
         return py1 - (t - y_lo) / (y_hi - y_lo) * (py1 - py0)
 
@@ -373,7 +379,7 @@ def line_chart(
     ]
     half = max((px1 - px0) / max(x_hi - x_lo, 1) / 2, 1.5)
     for s in _runs(sorted(set(skipped))):
-        a, b = X(s[0]) - half, X(s[1]) + half
+        a, b = to_x(s[0]) - half, to_x(s[1]) + half
         out.append(
             f'<rect class="skipped" x="{n(max(a, px0))}" y="{py0}" '
             f'width="{n(min(b, px1) - max(a, px0))}" height="{py1 - py0}" fill="#fde68a" '
@@ -391,36 +397,36 @@ def line_chart(
             k += step
     else:
         for t in nice_ticks(y_lo, y_hi, 4):
-            out += _ytick(px0, px1, Y(t), fmt_num(t))
+            out += _ytick(px0, px1, to_y(t), fmt_num(t))
     # x ticks
     xt = nice_ticks(x_lo, x_hi, min(8, max(int(x_hi - x_lo), 1)))
     for t in xt:
         if float(t).is_integer():
             out.append(
-                f'<text x="{n(X(t))}" y="{height - 8}" text-anchor="middle" fill="{MUTED}" '
+                f'<text x="{n(to_x(t))}" y="{height - 8}" text-anchor="middle" fill="{MUTED}" '
                 f'font-size="11">{int(t)}</text>'
             )
     out.append(
         f'<line x1="{px0}" x2="{px1}" y1="{py1}" y2="{py1}" stroke="#cbd5e1" stroke-width="1"/>'
     )
     if limit is not None:
-        y = n(Y(limit[0]))
+        y = n(to_y(limit[0]))
         out.append(
             f'<line class="limit-max" x1="{px0}" x2="{px1}" y1="{y}" y2="{y}" stroke="{BAD}" '
             f'stroke-width="1.5" stroke-dasharray="5 3"/>'
-            f'<text x="{px1 - 2}" y="{n(Y(limit[0]) - 4)}" text-anchor="end" fill="{BAD}" '
+            f'<text x="{px1 - 2}" y="{n(to_y(limit[0]) - 4)}" text-anchor="end" fill="{BAD}" '
             f'font-size="11" font-weight="600">{esc(limit[1])}</text>'
         )
     if fail_step is not None and x_lo <= fail_step <= x_hi:
-        x = n(X(fail_step))
+        x = n(to_x(fail_step))
         out.append(
             f'<line class="fail-step" x1="{x}" x2="{x}" y1="{py0}" y2="{py1}" stroke="{BAD}" '
             f'stroke-width="1.5" stroke-dasharray="3 3"/>'
         )
-    out += _polyline(series, X, Y, log)
+    out += _polyline(series, to_x, to_y, log)
     for s, v in pts:
         if v is not None and not math.isfinite(v):
-            x, y = X(s), py0 + 6
+            x, y = to_x(s), py0 + 6
             out.append(
                 f'<g class="nonfinite-point"><title>step {s}: {esc(fmt_num(v))}</title>'
                 f'<path d="M{n(x - 4)} {n(y - 4)} L{n(x + 4)} {n(y + 4)} M{n(x + 4)} {n(y - 4)} '
@@ -449,7 +455,9 @@ def _runs(values: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _polyline(series: Series, X, Y, log: str) -> list[str]:  # noqa: ANN001, N803
+def _polyline(
+    series: Series, to_x: Callable[[float], float], to_y: Callable[[float], float], log: str
+) -> list[str]:
     segments: list[list[tuple[float, float]]] = [[]]
     prev_y: float | None = None
     for s, v in series.points:
@@ -458,7 +466,7 @@ def _polyline(series: Series, X, Y, log: str) -> list[str]:  # noqa: ANN001, N80
                 segments.append([])
             prev_y = None
             continue
-        x, y = X(s), Y(v)
+        x, y = to_x(s), to_y(v)
         if series.step and prev_y is not None:
             segments[-1].append((x, prev_y))
         segments[-1].append((x, y))
@@ -496,7 +504,7 @@ def histogram_chart(stats: TensorStats, fmt: NumberFormat) -> str:
     top = math.log10(1 + max([*counts, stats.nonfinite, 1]))
     top = max(math.ceil(top), 1)
 
-    def Y(c: float) -> float:
+    def to_y(c: float) -> float:
         return py1 - math.log10(1 + c) / top * (py1 - py0)
 
     out = [
@@ -507,7 +515,7 @@ def histogram_chart(stats: TensorStats, fmt: NumberFormat) -> str:
     out += _zones(axis, fmt, py0, py1)
     for k in range(top + 1):
         label = "1" if k == 0 else ("10" if k == 1 else "10" + superscript(k))
-        out += _ytick(ml, width - mr, Y(10**k - 1 if k else 0), label if k else "0")
+        out += _ytick(ml, width - mr, to_y(10**k - 1 if k else 0), label if k else "0")
     out += _binade_ticks(axis, py1, py1 + 4, height - 10, 20)
     bw = (axis.x1 - axis.x0) / (hi - lo)
     for k in keys:
@@ -515,7 +523,7 @@ def histogram_chart(stats: TensorStats, fmt: NumberFormat) -> str:
         if c <= 0:
             continue
         x = axis.x(k)
-        y = Y(c)
+        y = to_y(c)
         inside = fmt.min_normal_binade <= k <= fmt.max_binade
         colour = FWD if inside else ("#b45309" if k < fmt.min_normal_binade else BAD)
         out.append(
@@ -525,7 +533,7 @@ def histogram_chart(stats: TensorStats, fmt: NumberFormat) -> str:
         )
     if stats.nonfinite:
         x = width - mr + 30
-        y = Y(stats.nonfinite)
+        y = to_y(stats.nonfinite)
         out.append(
             f'<rect class="hist-nonfinite" x="{n(x)}" y="{n(y)}" width="28" '
             f'height="{n(py1 - y)}" fill="{BAD}"><title>{esc(_nonfinite_text(stats))}'
@@ -536,6 +544,6 @@ def histogram_chart(stats: TensorStats, fmt: NumberFormat) -> str:
             f'font-size="11">{esc(fmt_compact(stats.nonfinite))}</text>'
         )
     out += _limit_lines(axis, fmt, py0 - 6, py1)
-    out += _limit_labels(axis, fmt, py0 - 12)
+    out += _limit_labels(axis, fmt, py0 - 12, left=ml - 40)
     out.append("</svg>")
     return "".join(out)

@@ -94,7 +94,8 @@ def render_text(trace: Trace, width: int = TEXT_WIDTH, *, show_all: bool = True)
         highlight=False,
     )
     render_terminal(trace, console, show_all=show_all)
-    return buf.getvalue()
+    # rich pads lines to the console width; a file does not need the trailing blanks
+    return "".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines())
 
 
 def write_reports(

@@ -30,7 +30,6 @@ from ._common import (
     ranked_warnings,
     scaler_notes,
     target_format,
-    values_summary,
     verdict,
 )
 from ._svg import esc
@@ -56,7 +55,6 @@ def render_html(trace: Trace) -> str:
         '<main class="page">',
         _verdict(trace, fmt),
         _nav(trace),
-        _run_facts(trace, fmt),
     ]
     if trace.first_failure is not None or trace.diagnosis is not None:
         body.append('<div class="two-col">')
@@ -70,7 +68,7 @@ def render_html(trace: Trace) -> str:
         body.append(_recommendations(trace.recommendations))
     if trace.steps:
         body.append(_timeline(trace, fmt))
-    if trace.first_failure is not None and trace.first_failure.stats.hist:
+    if trace.first_failure is not None and _has_histogram(trace):
         body.append(_histogram(trace.first_failure, fmt))
     if trace.layers:
         body.append(_modules(trace, fmt))
@@ -82,6 +80,7 @@ def render_html(trace: Trace) -> str:
         body.append(_ops(trace.ops))
     if trace.ranks:
         body.append(_ranks(trace))
+    body.append(_run_facts(trace, fmt))
     body.append(_footer(trace))
     body.append("</main>")
     return (
@@ -97,6 +96,11 @@ def render_html(trace: Trace) -> str:
         + _data_island(trace)
         + f"\n<script>{_JS}</script>\n</body>\n</html>\n"
     )
+
+
+def _has_histogram(trace: Trace) -> bool:
+    ff = trace.first_failure
+    return ff is not None and bool(ff.stats.hist or ff.stats.nonfinite)
 
 
 def _data_island(trace: Trace) -> str:
@@ -139,10 +143,13 @@ def _verdict(trace: Trace, fmt: NumberFormat) -> str:
     lede = ""
     if trace.diagnosis is not None:
         lede = f'<p class="lede">{esc(trace.diagnosis.message)}</p>'
+    elif not (trace.layers or trace.steps):
+        lede = '<p class="lede">No steps or module statistics were recorded.</p>'
     elif not has_problem(trace):
+        skip = " or was an expected GradScaler skip" if trace.facts else ""
         lede = (
             f'<p class="lede">Every recorded value stayed inside {esc(fmt.name)}\'s range '
-            f"(max {fmt.max:g}) or was an expected GradScaler skip.</p>"
+            f"(max {fmt.max:g}){skip}.</p>"
         )
     chips = []
     if trace.steps:
@@ -153,6 +160,15 @@ def _verdict(trace: Trace, fmt: NumberFormat) -> str:
     if trace.layers:
         chips.append(plural(len(trace.layers), "module"))
     chips.append(f"target {fmt.name}")
+    mode = [
+        m for m, on in (("autocast", trace.run.autocast), ("GradScaler", trace.run.scaler)) if on
+    ]
+    if mode:
+        chips.append(" + ".join(mode))
+    if trace.run.device:
+        chips.append(trace.run.device)
+    if trace.run.world_size > 1:
+        chips.append(plural(trace.run.world_size, "rank"))
     if trace.recommendations:
         verified = sum(r.verified for r in trace.recommendations)
         chips.append(f"{plural(len(trace.recommendations), 'fix', 'fixes')}, {verified} verified")
@@ -165,7 +181,7 @@ def _verdict(trace: Trace, fmt: NumberFormat) -> str:
 
 
 def _nav(trace: Trace) -> str:
-    links = [("run", "Run")]
+    links = []
     if trace.first_failure is not None:
         links.append(("failure", "First failure"))
     if trace.diagnosis is not None:
@@ -174,7 +190,11 @@ def _nav(trace: Trace) -> str:
     for cond, id_, label in (
         (trace.recommendations, "recommendations", "Fixes"),
         (trace.steps, "timeline", "Timeline"),
-        (trace.first_failure is not None and trace.first_failure.stats.hist, "histogram", "Exponents"),
+        (
+            trace.first_failure is not None and trace.first_failure.stats.hist,
+            "histogram",
+            "Exponents",
+        ),
         (trace.layers, "modules", "Modules"),
         (trace.warnings, "warnings", "Warnings"),
         (trace.facts, "facts", "Facts"),
@@ -183,6 +203,7 @@ def _nav(trace: Trace) -> str:
     ):
         if cond:
             links.append((id_, label))
+    links.append(("run", "Run"))
     items = "".join(f'<a href="#{id_}">{esc(label)}</a>' for id_, label in links)
     return f'<nav class="toc">{items}</nav>'
 
@@ -261,12 +282,12 @@ def _failure(ff: Failure, fmt: NumberFormat) -> str:
         for k, v, c in stats
     )
     detail = f'<p class="detail">{esc(ff.detail)}</p>' if ff.detail else ""
-    summary = esc(", ".join(values_summary(s, fmt)))
+    over = f", {fmt_count(s.overflow)} over the max" if s.overflow else ""
     inner = (
         f'<div class="kv-row">{cells}</div>{source}'
         f'<div class="stats">{stat_html}</div>'
-        f'<p class="muted small">{esc(s.dtype)} [{esc(shape)}], {s.numel:,} values; '
-        f"{summary}; {esc(fmt.name)} max {fmt.max:g}</p>{detail}"
+        f'<p class="muted small">{esc(s.dtype)} [{esc(shape)}], {s.numel:,} values{over}; '
+        f"{esc(fmt.name)} max {fmt.max:g}</p>{detail}"
     )
     return _card("failure", "First failure", inner, cls="failure-card")
 
@@ -306,9 +327,11 @@ def _ranges(trace: Trace, fmt: NumberFormat) -> str:
         '<span><i class="sw zone-over"></i>overflow to inf</span>'
         f'<span><i class="dia"></i>non-finite values</span></div>'
     )
+    name = esc(fmt.name)
     sub = (
-        "Each bar spans a module's smallest to largest non-zero magnitude (log<sub>2</sub> axis, "
-        f"one tick per binade group), in execution order, against {esc(fmt.name)}'s limits."
+        "One row per module in execution order; each bar spans its smallest to largest non-zero "
+        f"magnitude on a log<sub>2</sub> axis. Right of the red line values overflow {name} to "
+        "inf; in the amber zone they lose precision; in the hatched zone they flush to zero."
     )
     chart = _svg.range_chart(trace.layers, fmt, culprit)
     return _card("ranges", title, f'{legend}<div class="chart-wrap">{chart}</div>', sub=sub)
@@ -366,7 +389,7 @@ def _timeline(trace: Trace, fmt: NumberFormat) -> str:
     legend = (
         '<div class="legend"><span><i class="sw" style="background:#fde68a"></i>'
         "step skipped by GradScaler</span>"
-        f'<span><i class="vline"></i>first failure</span>'
+        '<span><i class="vline"></i>first failure</span>'
         '<span><i class="cross">×</i>non-finite value</span></div>'
     )
     table = _steps_table(trace)
@@ -477,7 +500,7 @@ def _modules(trace: Trace, fmt: NumberFormat) -> str:
         "<thead><tr>"
         '<th data-sort="text">module</th><th data-sort="text">type</th>'
         '<th class="num" data-sort="num">fwd amax</th><th class="num" data-sort="num">bwd amax</th>'
-        f'<th class="num" data-sort="num">headroom</th>'
+        '<th class="num" data-sort="num">headroom</th>'
         '<th class="num" data-sort="num">underflow</th>'
         '<th class="num" data-sort="num">nan/inf</th></tr></thead>'
     )
@@ -511,10 +534,12 @@ def _warnings(trace: Trace) -> str:
             f'<li class="warning"><div class="w-head"><span class="badge warn">'
             f"{esc(w.kind.replace('_', ' '))}</span>{module}"
             f'<span class="score" title="rank score">score {w.score:.2f}</span></div>'
-            f'<p>{esc(w.message)}</p>{_list(w.evidence, "evidence small")}</li>'
+            f"<p>{esc(w.message)}</p>{_list(w.evidence, 'evidence small')}</li>"
         )
     return _card(
-        "warnings", f"Warnings ({len(trace.warnings)})", f'<ul class="warnings">{"".join(items)}</ul>'
+        "warnings",
+        f"Warnings ({len(trace.warnings)})",
+        f'<ul class="warnings">{"".join(items)}</ul>',
     )
 
 
@@ -691,6 +716,7 @@ font-weight:600;border:1px solid transparent;white-space:nowrap}
 .badge.type{background:#eef2ff;color:#3730a3}
 .message{margin:0 0 8px;font-size:15.5px}
 ul.evidence{margin:6px 0 0;padding-left:20px}ul.evidence li{margin:3px 0}
+.rec ul.evidence{font-size:14px;color:#334155}
 ul.evidence li::marker{color:var(--muted)}
 .legend{display:flex;flex-wrap:wrap;gap:6px 18px;font-size:12.5px;color:#475569;
 margin:0 0 10px}

@@ -201,31 +201,58 @@ def _more(console: Console, hidden: int, what: str) -> None:
         console.print(Text(f"… {plural(hidden, 'more ' + what)} (use --all)", style="dim"))
 
 
+# the module table's numeric columns and their widths; "type" gets 9 to 14 columns
+_NUMBER_COLUMNS = (("fwd\namax", 8), ("bwd\namax", 8), ("head-\nroom", 5),
+                   ("under\nflow", 5), ("nan/\ninf", 4))  # fmt: skip
+_SEPARATORS = 2 * (len(_NUMBER_COLUMNS) + 1)  # padding and divider after each column but the last
+
+
 def _modules(
     console: Console, trace: Trace, fmt: NumberFormat, *, show_all: bool, max_layers: int
 ) -> None:
     rows = module_rows(trace, fmt)
     shown = rows if show_all else rows[: max(max_layers, 0)]
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0), expand=True)
-    table.add_column("module", overflow="fold", ratio=1)
-    table.add_column("type", overflow="ellipsis", no_wrap=True, width=10)
-    table.add_column("fwd\namax", justify="right", no_wrap=True, width=8)
-    table.add_column("bwd\namax", justify="right", no_wrap=True, width=8)
-    table.add_column("head-\nroom", justify="right", no_wrap=True, width=5)
-    table.add_column("under\nflow", justify="right", no_wrap=True, width=5)
-    table.add_column("nan/\ninf", justify="right", no_wrap=True, width=5)
+    numbers = sum(w for _, w in _NUMBER_COLUMNS)
+    longest_name = max((len(r.module) + 2 * r.culprit for r in shown), default=0)
+    type_width = min(max((len(r.type) for r in shown), default=4), 14)
+    name_width = console.width - numbers - type_width - _SEPARATORS
+    if name_width < longest_name and type_width > 9:
+        # a short type column before folding module names
+        type_width = 9
+        name_width = console.width - numbers - type_width - _SEPARATORS
+    fits = longest_name <= name_width
+    table = Table(
+        box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0), expand=not fits
+    )
+    table.add_column("module", overflow="fold", ratio=None if fits else 1)
+    table.add_column("type", overflow="ellipsis", no_wrap=True, width=max(type_width, 4))
+    for header, width in _NUMBER_COLUMNS:
+        table.add_column(header, justify="right", no_wrap=True, width=width)
     for r in shown:
-        table.add_row(*_module_cells(r), style="bold" if r.culprit else None)
+        table.add_row(*_module_cells(r, name_width), style="bold" if r.culprit else None)
     console.print(table)
     _more(console, len(rows) - len(shown), "module")
     if any(r.culprit for r in shown):
         console.print(Text("▶ first failure", style="dim"))
 
 
-def _module_cells(r: ModuleRow) -> list[RenderableType]:
+def _wrap_dotted(name: str, width: int, indent: str = "") -> str:
+    """Break a qualified name after dots so that each line fits ``width``."""
+    if len(name) <= width or width < 8:
+        return name
+    lines = [""]
+    for part in name.replace(".", ".\0").split("\0"):
+        if lines[-1] and len(lines[-1]) + len(part) > width:
+            lines.append(indent)
+        lines[-1] += part
+    return "\n".join(lines)
+
+
+def _module_cells(r: ModuleRow, name_width: int) -> list[RenderableType]:
     style = _LEVEL_STYLE[r.level]
     name = Text("▶ ", style="bold red") if r.culprit else Text()
-    name.append(r.module or "(root)")
+    prefix = "  " if r.culprit else ""
+    name.append(_wrap_dotted(r.module or "(root)", name_width - len(prefix), prefix))
     return [
         name,
         Text(r.type, style="dim"),

@@ -1,0 +1,398 @@
+"""``nanhunt`` command line: diagnose, report, replay."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ._version import __version__
+from .errors import NanhuntError
+from .formats import FORMATS
+
+__all__ = ["entry", "main"]
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_SCRIPT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+_EXIT_CODES = """\
+exit codes:
+  0    the script ran and no non-finite value or range problem was found
+  1    a problem was found and reported
+  2    usage error (missing script, bad option, unreadable report)
+  3    the script failed for another reason (its traceback is printed as Python prints it)
+  130  interrupted (Ctrl-C); a partial report is written
+  n    the script called sys.exit(n) and no problem was found
+"""
+
+_DIAGNOSE_HELP = """\
+Run a training script under instrumentation and report where, why and how to fix the first
+non-finite value. Options go before the script; everything after the script belongs to it.
+
+  nanhunt diagnose [options] train.py [script args ...]
+  nanhunt diagnose [options] -m package.module [args ...]
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        raise NanhuntError(message)
+
+
+def _diagnose_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="nanhunt diagnose", description=_DIAGNOSE_HELP, epilog=_EXIT_CODES,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="nanhunt-report", metavar="DIR",
+                   help="folder for report.json, report.html, report.txt (default: %(default)s)")
+    p.add_argument("--target", default="float16", choices=sorted(FORMATS),
+                   help="format to judge ranges against (default: %(default)s)")
+    p.add_argument("--keep-going", action="store_true",
+                   help="let the script run on after the first failure")
+    p.add_argument("--max-steps", type=int, metavar="N", help="stop the script after N steps")
+    p.add_argument("--allow-inf", action="append", default=[], metavar="PATTERN",
+                   help="module-name glob whose non-finite values are intentional (repeatable)")
+    p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
+    p.add_argument("--sample-every", type=int, default=1, metavar="N",
+                   help="full statistics every N steps, a cheap finite check otherwise")
+    p.add_argument("--keep-steps", type=int, default=64, metavar="N",
+                   help="steps of detailed records kept in memory (default: %(default)s)")
+    p.add_argument("--all", action="store_true", dest="show_all",
+                   help="show every module in the terminal summary")
+    p.add_argument("--quiet", action="store_true", help="no live line and no summary")
+    p.add_argument("--nproc-per-node", type=int, metavar="N",
+                   help="launch N processes with torch.distributed's launcher (DDP)")
+    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module as a script")
+    p.add_argument("script", nargs="?", help="the training script")
+    return p
+
+
+_VALUE_OPTIONS = {"--out", "--target", "--max-steps", "--allow-inf", "--sample-every",
+                  "--keep-steps", "--nproc-per-node"}
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], str | None, str | None, list[str]]:
+    """Split at the script: (our options, script, module, script args).
+
+    Done by hand because argparse's REMAINDER drops a ``--`` that belongs to the script.
+    """
+    ours: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            if i + 1 >= len(argv):
+                break
+            return ours, argv[i + 1], None, list(argv[i + 2:])
+        if tok == "-m":
+            if i + 1 >= len(argv):
+                raise NanhuntError("-m needs a module name")
+            return ours, None, argv[i + 1], list(argv[i + 2:])
+        if tok.startswith("-m") and not tok.startswith("--"):
+            return ours, None, tok[2:], list(argv[i + 1:])
+        if tok.startswith("-") and tok != "-":
+            ours.append(tok)
+            if tok in _VALUE_OPTIONS:
+                if i + 1 >= len(argv):
+                    raise NanhuntError(f"{tok} needs a value")
+                ours.append(argv[i + 1])
+                i += 1
+            i += 1
+            continue
+        return ours, tok, None, list(argv[i + 1:])
+    return ours, None, None, []
+
+
+# ----------------------------------------------------------------------------- diagnose
+
+
+class _LiveLine:
+    """One status line on stderr that the script's own prints do not garble."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self.text = ""
+        self._last = 0.0
+        self._stdout = sys.stdout
+
+    def update(self, rec: Any, hunt: Any) -> None:
+        if not self.enabled:
+            return
+        skipped = sum(1 for s in hunt.steps if s.skipped)
+        parts = [f"nanhunt  step {rec.index}"]
+        if rec.loss is not None:
+            parts.append(f"loss {rec.loss:.4g}")
+        if rec.scale is not None:
+            parts.append(f"scale {rec.scale:g}")
+        parts.append(f"skipped {skipped}")
+        if hunt.first_failure is not None:
+            parts.append("FAILURE FOUND")
+        self.text = "  ".join(parts)
+        now = time.monotonic()
+        if now - self._last > 0.1 or hunt.first_failure is not None:
+            self._last = now
+            self._draw()
+
+    def _draw(self) -> None:
+        sys.stderr.write("\r\x1b[2K" + self.text[: _columns() - 1])
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled and self.text:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+
+    def __enter__(self) -> _LiveLine:
+        if self.enabled and sys.stdout.isatty():
+            sys.stdout = _ClearingWriter(sys.stdout, self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if isinstance(sys.stdout, _ClearingWriter):
+            sys.stdout = self._stdout
+        self.clear()
+
+
+class _ClearingWriter:
+    """Wraps the terminal's stdout: clears the live line before the script writes."""
+
+    def __init__(self, inner: Any, line: _LiveLine) -> None:
+        self._inner, self._line = inner, line
+
+    def write(self, s: str) -> int:
+        if self._line.text:
+            self._line.clear()
+        n = self._inner.write(s)
+        if s.endswith("\n") and self._line.text:
+            self._inner.flush()
+            self._line._draw()
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _columns() -> int:
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except OSError:
+        return 80
+
+
+class _Terminated(BaseException):  # noqa: N818
+    pass
+
+
+def _run_info(argv: Sequence[str], script: str, torch_version: str) -> Any:
+    from .trace import RunInfo
+
+    return RunInfo(
+        command=["nanhunt", "diagnose", *argv],
+        script=script,
+        python=platform.python_version(),
+        torch=torch_version,
+        nanhunt=__version__,
+        platform=platform.platform(),
+        started=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        status="running",
+    )
+
+
+def cmd_diagnose(argv: Sequence[str]) -> int:
+    ours, script, module, script_args = split_argv(argv)
+    opts = _diagnose_parser().parse_args(ours)
+    if opts.script or opts.module:  # only possible through odd spellings such as --script
+        raise NanhuntError("put options before the script")
+    if script is None and module is None:
+        raise NanhuntError("no script given (usage: nanhunt diagnose [options] train.py [args])")
+    for name, value in (("--max-steps", opts.max_steps), ("--sample-every", opts.sample_every),
+                        ("--keep-steps", opts.keep_steps), ("--nproc-per-node",
+                                                            opts.nproc_per_node)):
+        if value is not None and value < 1:
+            raise NanhuntError(f"{name} must be at least 1")
+    from .runner import Target
+
+    target = Target(script=script, module=module, args=script_args)
+    target.check()
+    if opts.nproc_per_node:
+        from .distributed import launch
+
+        return launch(opts.nproc_per_node, list(argv))
+    out_dir = Path(opts.out)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise NanhuntError(f"cannot create report folder {out_dir}: {exc.strerror}") from None
+    return _diagnose(opts, target, list(argv), out_dir)
+
+
+def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: Path) -> int:
+    import torch
+
+    from .capture import Hunt, StopRun
+    from .distributed import RankContext
+    from .runner import print_user_traceback, run_target
+
+    ctx = RankContext.from_env()
+    live = _LiveLine(enabled=not opts.quiet and ctx.rank == 0)
+    hunt = Hunt(
+        target=opts.target,
+        keep_steps=opts.keep_steps,
+        allow_inf=opts.allow_inf,
+        sample_every=opts.sample_every,
+        stop_on_problem=not opts.keep_going,
+        max_steps=opts.max_steps,
+        on_step=live.update,
+    )
+    run = _run_info(argv, target.argv0, torch.__version__)
+    run.world_size = ctx.world_size
+    old_term = None
+    if hasattr(signal, "SIGTERM") and _main_thread():
+        def _on_term(signum: int, frame: Any) -> None:
+            raise _Terminated()
+
+        old_term = signal.signal(signal.SIGTERM, _on_term)
+    hunt.start()
+    try:
+        with live:
+            outcome = run_target(target, (StopRun, _Terminated))
+    finally:
+        hunt.stop()
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+    if isinstance(outcome.error, _Terminated):
+        outcome.status, outcome.exit_code = "interrupted", 143
+    run.finished = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    run.status = outcome.status if outcome.status != "exited" else "complete"
+    if outcome.status == "stopped":
+        run.status = "stopped"
+    if outcome.status in ("crashed", "interrupted") and outcome.error is not None:
+        run.error = f"{type(outcome.error).__name__}: {outcome.error}".strip().rstrip(":")
+    if outcome.status == "crashed" and outcome.error is not None:
+        if hunt.first_failure is not None and hasattr(outcome.error, "add_note"):
+            outcome.error.add_note(
+                f"nanhunt: first non-finite value at {hunt.first_failure.where()}")
+        print_user_traceback(outcome.error)
+    from .pipeline import analyse_and_report
+
+    trace = analyse_and_report(hunt, run, out_dir, strict=opts.strict, ctx=ctx,
+                               show_all=opts.show_all, quiet=opts.quiet)
+    code = _exit_code(trace, outcome, opts.strict)
+    run.exit_code = code
+    return code
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _exit_code(trace: Any, outcome: Any, strict: bool) -> int:
+    if trace.problem or (strict and trace.warnings):
+        return EXIT_PROBLEM
+    if outcome.status == "interrupted":
+        return outcome.exit_code
+    if outcome.status == "crashed":
+        return EXIT_SCRIPT_FAILED
+    return outcome.exit_code
+
+
+# ----------------------------------------------------------------------------- report / replay
+
+
+def cmd_report(argv: Sequence[str]) -> int:
+    p = _Parser(prog="nanhunt report", description="Render a saved report.json again.")
+    p.add_argument("report", help="path to report.json")
+    p.add_argument("--html", metavar="OUT", help="also write a self-contained HTML page")
+    p.add_argument("--all", action="store_true", dest="show_all", help="show every module")
+    opts = p.parse_args(list(argv))
+    from .report import render_html, render_terminal
+    from .report.files import atomic_write_text
+    from .trace import Trace
+
+    path = Path(opts.report)
+    if path.is_dir():
+        path = path / "report.json"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise NanhuntError(f"cannot read {opts.report}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise NanhuntError(f"{opts.report} is not a text file") from None
+    trace = Trace.from_json(text)
+    render_terminal(trace, _console(), show_all=opts.show_all)
+    if opts.html:
+        atomic_write_text(Path(opts.html), render_html(trace))
+        print(f"nanhunt: wrote {opts.html}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_replay(argv: Sequence[str]) -> int:
+    p = _Parser(prog="nanhunt replay",
+                description="Re-run a culprit snapshot and print its op-level trace.")
+    p.add_argument("snapshot", help="path to snapshot.pt (beside report.json)")
+    p.add_argument("--dtype", choices=["as-captured", "float32", "float16", "bfloat16"],
+                   default="as-captured", help="replay precision (default: %(default)s)")
+    p.add_argument("--script", help="the training script that defines the module's class")
+    opts = p.parse_args(list(argv))
+    from .zoom import load_snapshot, print_replay, replay
+
+    snap = load_snapshot(opts.snapshot, script=opts.script)
+    result = replay(snap, dtype=None if opts.dtype == "as-captured" else opts.dtype)
+    print_replay(snap, result, _console())
+    return EXIT_OK
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+_COMMANDS = {"diagnose": cmd_diagnose, "report": cmd_report, "replay": cmd_replay}
+
+_TOP_HELP = f"""\
+usage: nanhunt <command> [options] ...
+
+nanhunt {__version__}: find where, why and how to fix NaN/Inf in mixed-precision PyTorch training.
+
+commands:
+  diagnose   run a training script under instrumentation and report the first failure
+  report     render a saved report.json again (terminal, --html)
+  replay     re-run a culprit snapshot and print its op-level trace
+
+Run 'nanhunt <command> --help' for a command's options.
+
+{_EXIT_CODES}"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``nanhunt`` command; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_TOP_HELP)
+        return EXIT_OK if argv else EXIT_USAGE
+    if argv[0] == "--version":
+        print(f"nanhunt {__version__}")
+        return EXIT_OK
+    command = _COMMANDS.get(argv[0])
+    try:
+        if command is None:
+            raise NanhuntError(f"unknown command {argv[0]!r} (choose from diagnose, report, "
+                               "replay)")
+        return command(argv[1:])
+    except NanhuntError as exc:
+        print(f"nanhunt: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except SystemExit as exc:  # argparse's --help
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""After the run: trace -> zoom -> diagnose -> advise -> verify -> reports.
+
+Each stage is guarded: a stage that fails leaves a note in the report instead of losing it.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from .trace import RunInfo, Trace
+
+__all__ = ["analyse", "analyse_and_report"]
+
+
+def _guard(trace: Trace, stage: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # a report with a note beats no report
+        trace.notes.append(f"{stage} failed: {type(exc).__name__}: {exc}")
+        if "NANHUNT_DEBUG" in __import__("os").environ:
+            traceback.print_exc()
+        return None
+
+
+def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
+            out_dir: Path | None = None) -> Trace:
+    """Fill the op-level zoom, diagnosis, recommendations and their verification."""
+    from . import zoom
+
+    if snapshot is not None:
+        _guard(trace, "op-level replay", zoom.zoom_into, trace, snapshot)
+        if out_dir is not None:
+            name = _guard(trace, "snapshot", zoom.save_snapshot, snapshot,
+                          out_dir / "snapshot.pt", script=trace.run.script)
+            if name:
+                trace.snapshot = "snapshot.pt"
+    try:
+        from .advise import advise
+        from .diagnose import diagnose
+    except ImportError:  # pragma: no cover - during development only
+        return trace
+    _guard(trace, "diagnosis", diagnose, trace, strict=strict)
+    _guard(trace, "advice", advise, trace)
+    if snapshot is not None:
+        _guard(trace, "verification", zoom.verify, trace, snapshot)
+    return trace
+
+
+def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool = False,
+                       ctx: Any = None, show_all: bool = False, quiet: bool = False) -> Trace:
+    """Build the trace from a finished session, analyse it and write every report form."""
+    from .report import render_terminal, write_reports
+
+    try:
+        trace = hunt.trace(run)
+    except Exception as exc:
+        trace = Trace(run=run, notes=[f"building the trace failed: {type(exc).__name__}: {exc}"])
+        trace.problem = hunt.first_failure is not None
+    analyse(trace, hunt.snapshot, strict=strict, out_dir=out_dir)
+    if ctx is not None and ctx.world_size > 1:
+        trace = _guard(trace, "merging ranks", ctx.merge, trace) or trace
+        if ctx.rank != 0:
+            return trace
+    paths = _write(trace, out_dir, write_reports)
+    if not quiet:
+        from rich.console import Console
+
+        console = Console(stderr=True, highlight=False)
+        _guard(trace, "terminal summary", render_terminal, trace, console, show_all=show_all)
+        if paths:
+            console.print("reports: " + ", ".join(str(p) for p in paths.values()),
+                          soft_wrap=True)
+    return trace
+
+
+def _write(trace: Trace, out_dir: Path, write_reports: Any) -> dict:
+    try:
+        return write_reports(trace, out_dir)
+    except Exception as exc:
+        # last resort: the JSON alone, so that nothing is lost
+        print(f"nanhunt: writing the reports failed ({type(exc).__name__}: {exc}); "
+              "writing report.json only", file=sys.stderr)
+        from .report.files import atomic_write_text
+
+        trace.notes.append(f"rendering failed: {type(exc).__name__}: {exc}")
+        path = out_dir / "report.json"
+        atomic_write_text(path, trace.to_json())
+        return {"json": path}

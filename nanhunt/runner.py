@@ -1,0 +1,99 @@
+"""Run a user's script or module in this process exactly as ``python script.py`` would."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from .errors import NanhuntError
+
+__all__ = ["Outcome", "Target", "print_user_traceback", "run_target"]
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+_HIDDEN = (_PACKAGE_DIR, str(Path(runpy.__file__).resolve()))
+
+
+@dataclass
+class Target:
+    """What to run: a script path or a module name, and its arguments."""
+
+    script: str | None = None
+    module: str | None = None
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def argv0(self) -> str:
+        return self.script if self.script is not None else str(self.module)
+
+    def check(self) -> None:
+        if self.script is not None:
+            path = Path(self.script)
+            if not path.exists():
+                raise NanhuntError(f"no such script: {self.script}")
+            if path.is_dir() and not (path / "__main__.py").exists():
+                raise NanhuntError(f"{self.script} is a folder with no __main__.py")
+
+
+@dataclass
+class Outcome:
+    """How the user's code ended."""
+
+    status: str  # complete | stopped | crashed | interrupted | exited
+    exit_code: int = 0  # the code the script itself asked for (sys.exit), else 0
+    error: BaseException | None = None
+
+
+def run_target(target: Target, stop_exc: type[BaseException]) -> Outcome:
+    """Run the target as ``__main__``; never raises what the user's code raised."""
+    saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    sys.argv = [target.argv0, *target.args]
+    try:
+        if target.script is not None:
+            sys.path[0] = str(Path(target.script).resolve().parent)
+            runpy.run_path(target.script, run_name="__main__")
+        else:
+            sys.path[0] = os.getcwd()
+            sys.argv[0] = "-m"  # runpy fills in the module's file
+            runpy.run_module(str(target.module), run_name="__main__", alter_sys=True)
+    except stop_exc as exc:
+        return Outcome("stopped", 0, exc)
+    except SystemExit as exc:
+        code = exc.code
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        return Outcome("complete" if code == 0 else "exited", code, exc)
+    except KeyboardInterrupt as exc:
+        return Outcome("interrupted", 130, exc)
+    except BaseException as exc:  # the user's crash is the main case, not ours to propagate
+        return Outcome("crashed", 1, exc)
+    finally:
+        sys.argv = saved_argv
+        if saved_path0 is not None:
+            sys.path[0] = saved_path0
+    return Outcome("complete", 0, None)
+
+
+def _user_frames(tb: TracebackType | None) -> list[traceback.FrameSummary]:
+    return [f for f in traceback.extract_tb(tb) if not f.filename.startswith(_HIDDEN)]
+
+
+def print_user_traceback(exc: BaseException, file=None) -> None:
+    """Print the exception as Python would, without nanhunt's or runpy's frames."""
+    file = file or sys.stderr
+    te = traceback.TracebackException(type(exc), exc, exc.__traceback__, compact=True)
+    seen = set()
+    node: traceback.TracebackException | None = te
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        node.stack = traceback.StackSummary.from_list(
+            [f for f in node.stack if not f.filename.startswith(_HIDDEN)])
+        node = node.__cause__ or node.__context__
+    file.write("".join(te.format()))

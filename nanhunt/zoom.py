@@ -1,0 +1,489 @@
+"""Replay the culprit module with its captured inputs: op-level zoom, snapshots, verification.
+
+The one stage after capture that goes back to torch. A :class:`TorchDispatchMode` sees every
+aten op of the replay, forward and backward, so the first op that produced a non-finite value
+is named, with the user's source line that called it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fnmatch
+import io
+import linecache
+import math
+import runpy
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .capture import Snapshot, tensor_leaves
+from .errors import NanhuntError
+from .formats import get_format
+from .trace import OpRecord, Trace
+
+__all__ = [
+    "ReplayResult",
+    "load_snapshot",
+    "print_replay",
+    "replay",
+    "save_snapshot",
+    "verify",
+    "zoom_into",
+]
+
+_SNAPSHOT_FORMAT = "nanhunt-snapshot"
+_SNAPSHOT_VERSION = 1
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_OUR_DIR = str(Path(__file__).resolve().parent)
+_MAX_OPS = 400
+
+
+@dataclass
+class ReplayResult:
+    ops: list[OpRecord] = field(default_factory=list)
+    first: OpRecord | None = None
+    outputs_finite: bool = True
+    output_amax: float = 0.0
+    grads_finite: bool | None = None
+    error: str | None = None
+    dropped_ops: int = 0
+
+
+def _user_source() -> tuple[str | None, str | None]:
+    """file:line and text of the innermost frame that is not torch's or nanhunt's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        fname = frame.f_code.co_filename
+        if not (fname.startswith(_TORCH_DIR) or fname.startswith(_OUR_DIR)
+                or fname.startswith("<")):
+            line = linecache.getline(fname, frame.f_lineno).strip() or None
+            return f"{fname}:{frame.f_lineno}", line
+        frame = frame.f_back
+    return None, None
+
+
+def _node_source() -> tuple[str | None, str | None]:
+    """In backward: the forward call that created the running autograd node (anomaly mode)."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return None, None
+    stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
+    if not stack:
+        return None, None
+    text = "".join(stack) if isinstance(stack, list) else str(stack)
+    best = None
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith('File "'):
+            fname = line.split('"')[1]
+            if not (fname.startswith(_TORCH_DIR) or fname.startswith(_OUR_DIR)):
+                try:
+                    lineno = int(line.split("line ")[1].split(",")[0])
+                except (IndexError, ValueError):
+                    continue
+                best = (fname, lineno)
+    if best is None:
+        return None, None
+    return f"{best[0]}:{best[1]}", linecache.getline(best[0], best[1]).strip() or None
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Record every aten op's output range; remember the first non-finite one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[OpRecord] = []
+        self.first: OpRecord | None = None
+        self.dropped = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: A002
+        out = func(*args, **(kwargs or {}))
+        leaves: list = []
+        tensor_leaves(out, "", leaves)
+        floats = [t for _, t in leaves if t.is_floating_point() and t.numel() > 0]
+        if not floats:
+            return out
+        amax, nonfinite, numel = 0.0, 0, 0
+        for t in floats:
+            f = t.detach().float()
+            fin = torch.isfinite(f)
+            nonfinite += int((~fin).sum())
+            numel += t.numel()
+            if fin.any():
+                amax = max(amax, float(f.abs().masked_fill(~fin, 0).amax()))
+        backward = torch._C._current_graph_task_id() != -1
+        source, line = _node_source() if backward else _user_source()
+        name = str(getattr(func, "overloadpacket", func))
+        rec = OpRecord(index=len(self.ops) + self.dropped, op=name,
+                       phase="backward" if backward else "forward",
+                       dtype=str(floats[0].dtype).removeprefix("torch."), amax=amax,
+                       nonfinite=nonfinite, numel=numel, source=source)
+        if line:
+            rec.source = f"{source}  {line}" if source else line
+        if nonfinite and self.first is None:
+            rec.first_nonfinite = True
+            self.first = rec
+            self.first_line = (source, line)
+        if len(self.ops) < _MAX_OPS or rec.first_nonfinite:
+            self.ops.append(rec)
+        else:
+            self.dropped += 1
+        return out
+
+
+def _to_dtype(obj: Any, dtype: torch.dtype | None, requires_grad: bool) -> Any:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().clone()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        if requires_grad and t.is_floating_point():
+            t.requires_grad_(True)
+        return t
+    if isinstance(obj, dict):
+        return {k: _to_dtype(v, dtype, requires_grad) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_dtype(v, dtype, requires_grad) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_dtype(v, dtype, requires_grad) for v in obj)
+    return obj
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _device_type(snap: Snapshot) -> str:
+    p = next(snap.module.parameters(), None)
+    if p is not None:
+        return p.device.type
+    leaves: list = []
+    tensor_leaves((snap.args, snap.kwargs), "", leaves)
+    return leaves[0][1].device.type if leaves else "cpu"
+
+
+def replay(snap: Snapshot, dtype: str | None = None, *, module_fix: Any = None,
+           output_fix: Any = None, backward: bool | None = None) -> ReplayResult:
+    """Run the snapshot's module on its captured inputs under the op recorder.
+
+    ``dtype`` None replays as captured (same autocast state); "float32" etc. converts the
+    module and inputs and disables autocast. ``module_fix(module)`` edits the module copy
+    (a new eps); ``output_fix(output)`` transforms the output (a clamp) before it is judged.
+    """
+    result = ReplayResult()
+    module = copy.deepcopy(snap.module)
+    want_backward = snap.phase in ("backward", "loss_scaling") if backward is None else backward
+    want_backward = want_backward and bool(snap.grad_outputs) and any(
+        g is not None for g in snap.grad_outputs)
+    target_dtype = _DTYPES.get(dtype) if dtype else None
+    if target_dtype is not None:
+        module = module.to(target_dtype)
+    if module_fix is not None:
+        module_fix(module)
+    args = _to_dtype(snap.args, target_dtype, want_backward)
+    kwargs = _to_dtype(snap.kwargs or {}, target_dtype, False)
+    device_type = _device_type(snap)
+    if target_dtype is None:
+        enabled, ac_dtype = snap.autocast
+    else:
+        enabled, ac_dtype = False, None
+    autocast = (torch.autocast(device_type, dtype=ac_dtype, enabled=True) if enabled and ac_dtype
+                else torch.autocast(device_type, enabled=False))
+    recorder = _OpRecorder()
+    try:
+        with torch.enable_grad(), torch.autograd.set_detect_anomaly(True, check_nan=False):
+            with autocast, recorder:
+                out = module(*args, **kwargs)
+            if output_fix is not None:
+                out = output_fix(out)
+            leaves: list = []
+            tensor_leaves(out, "", leaves)
+            outs = [t for _, t in leaves if t.is_floating_point()]
+            result.outputs_finite = all(bool(torch.isfinite(t).all()) for t in outs)
+            result.output_amax = max(
+                (float(t.detach().float().abs().nan_to_num(0, 0, 0).amax()) for t in outs
+                 if t.numel()), default=0.0)
+            if want_backward:
+                pairs = [(o, g) for o, g in zip(outs, snap.grad_outputs or [])
+                         if g is not None and o.requires_grad]
+                if pairs:
+                    with recorder:
+                        torch.autograd.backward([o for o, _ in pairs],
+                                                [g.to(o.dtype) for o, g in pairs])
+                    grads = [a.grad for _, a in _float_leaves(args) if a.grad is not None]
+                    result.grads_finite = all(bool(torch.isfinite(g).all()) for g in grads)
+    except Exception as exc:  # the culprit may raise on its own inputs; report, do not crash
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.ops, result.first, result.dropped_ops = recorder.ops, recorder.first, recorder.dropped
+    return result
+
+
+def _float_leaves(obj: Any) -> list:
+    leaves: list = []
+    tensor_leaves(obj, "", leaves)
+    return [(p, t) for p, t in leaves if t.is_floating_point()]
+
+
+# ----------------------------------------------------------------------------- zoom + verify
+
+
+def zoom_into(trace: Trace, snap: Snapshot) -> None:
+    """Name the first non-finite aten op of the culprit and the user's source line."""
+    f = trace.first_failure
+    if f is None:
+        return
+    if snap.stale_inputs:
+        trace.notes.append(
+            f"the captured inputs of {snap.name} ({', '.join(snap.stale_inputs)}) were changed "
+            "in place after capture; the op-level replay is not trusted")
+    result = replay(snap)
+    trace.ops = result.ops
+    if result.error:
+        trace.notes.append(f"replaying {snap.name} raised {result.error}")
+    first = result.first
+    if first is None:
+        trace.notes.append(
+            f"replaying {snap.name} alone on its captured inputs gave finite values: the failure "
+            "did not reproduce in isolation (state outside the module, randomness such as "
+            "dropout, or a fused/compiled kernel)")
+        return
+    if f.module != snap.name and f.phase != "data":
+        return
+    f.op = first.op
+    src = first.source
+    if src and "  " in src:
+        f.source, f.source_line = src.split("  ", 1)
+    elif src:
+        f.source = src
+    elif snap.call_site is not None:  # the op ran inside torch's own module: name the caller
+        fname, line, text = snap.call_site
+        f.source, f.source_line = f"{fname}:{line}", text
+
+
+def _matches(rec_module: str | None, name: str) -> bool:
+    if not rec_module:
+        return False
+    return rec_module == name or fnmatch.fnmatchcase(name, rec_module)
+
+
+def verify(trace: Trace, snap: Snapshot) -> None:
+    """Check each recommendation that a replay of the culprit can check, and say how."""
+    fmt = get_format(trace.run.target)
+    low = _DTYPES.get(fmt.name)
+    if snap.stale_inputs:
+        for rec in trace.recommendations:
+            rec.verification = "not checked: the captured inputs changed in place after capture"
+        return
+    baseline = replay(snap)
+    failed_before = baseline.first is not None or not baseline.outputs_finite or \
+        baseline.grads_finite is False
+    for rec in trace.recommendations:
+        if not _matches(rec.module, snap.name):
+            if not rec.verification:
+                rec.verification = _why_not(rec.type)
+            continue
+        if not failed_before:
+            rec.verification = (f"not checked: replaying {snap.name} alone did not reproduce "
+                                "the failure")
+            continue
+        if rec.type == "fp32_module":
+            r = replay(snap, "float32")
+            fits = r.outputs_finite and r.output_amax <= fmt.max and r.grads_finite is not False
+            rec.verified = bool(fits and r.error is None)
+            if r.error:
+                rec.verification = f"replay in float32 raised {r.error}"
+            elif fits:
+                rec.verification = (
+                    f"replayed {snap.name} in float32 on the step-{snap.step} inputs: output "
+                    f"amax {r.output_amax:.3g} fits {fmt.name} (max {fmt.max:g}), all finite")
+            else:
+                rec.verification = (
+                    f"replayed {snap.name} in float32: output amax {r.output_amax:.3g} still "
+                    f"exceeds {fmt.name}'s max {fmt.max:g} when cast back; keep the float32 "
+                    "region going until a normalisation brings values back in range")
+        elif rec.type == "clamp":
+            bound = float(rec.value) if isinstance(rec.value, (int, float)) else fmt.max
+
+            def clamp(out: Any, bound: float = bound) -> Any:
+                return _map_tensors(out, lambda t: torch.clamp(t, -bound, bound))
+
+            r = replay(snap, output_fix=clamp)
+            rec.verified = r.outputs_finite and r.error is None
+            rec.verification = (
+                f"replayed {snap.name} with its output clamped to ±{bound:g}: "
+                + ("all finite" if rec.verified else "NaN values remain (clamping cannot "
+                   "repair NaN; run the module in float32 instead)"))
+        elif rec.type == "eps" and hasattr(snap.module, "eps"):
+            value = float(rec.value)
+
+            def set_eps(m: Any, value: float = value) -> None:
+                m.eps = value
+
+            r = replay(snap, module_fix=set_eps)
+            rec.verified = r.first is None and r.outputs_finite and r.grads_finite is not False
+            rec.verification = (f"replayed {snap.name} with eps={value:g}: "
+                                + ("all finite" if rec.verified else "still non-finite"))
+        elif rec.type in ("fp32_module", "clamp", "eps"):
+            rec.verification = _why_not(rec.type)
+        else:
+            rec.verification = _why_not(rec.type)
+        del low
+
+
+def _why_not(kind: str) -> str:
+    return {
+        "init_scale": "not checked by replay: a loss scale acts over training steps",
+        "clip_grad_norm": "not checked by replay: clipping acts over training steps",
+        "lower_lr": "not checked by replay: the learning rate acts over training steps",
+        "fix_data": "not checked by replay: needs the data pipeline",
+        "normalize_input": "not checked by replay: needs the data pipeline",
+    }.get(kind, "not checked: no captured culprit to replay this on")
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj) if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+# ----------------------------------------------------------------------------- snapshots
+
+
+@contextlib.contextmanager
+def _main_module_from(globals_: dict | None):
+    """Make ``__main__`` resolve to the user's script globals while pickling/unpickling."""
+    if globals_ is None:
+        yield
+        return
+    saved = sys.modules.get("__main__")
+    fake = types.ModuleType("__main__")
+    fake.__dict__.update(globals_)
+    sys.modules["__main__"] = fake
+    try:
+        yield
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
+def _script_globals(module: torch.nn.Module) -> dict | None:
+    for m in module.modules():
+        if type(m).__module__ == "__main__":
+            fwd = type(m).__dict__.get("forward") or type(m).__dict__.get("__init__")
+            if fwd is not None and hasattr(fwd, "__globals__"):
+                return fwd.__globals__
+    return None
+
+
+def save_snapshot(snap: Snapshot, path: Path, *, script: str = "") -> str:
+    """Write the culprit (class and state), its inputs and grad_outputs to ``path``."""
+    from .report.files import atomic_write_bytes
+
+    buf = io.BytesIO()
+    with _main_module_from(_script_globals(snap.module)):
+        torch.save(snap.module, buf)
+    payload = {
+        "format": _SNAPSHOT_FORMAT,
+        "version": _SNAPSHOT_VERSION,
+        "name": snap.name,
+        "phase": snap.phase,
+        "step": snap.step,
+        "class": f"{type(snap.module).__module__}.{type(snap.module).__qualname__}",
+        "script": str(Path(script).resolve()) if script else "",
+        "autocast": [snap.autocast[0], str(snap.autocast[1]).removeprefix("torch.")
+                     if snap.autocast[1] is not None else None],
+        "module_bytes": buf.getvalue(),
+        "args": snap.args,
+        "kwargs": snap.kwargs,
+        "grad_outputs": snap.grad_outputs,
+        "stale_inputs": snap.stale_inputs,
+        "call_site": list(snap.call_site) if snap.call_site else None,
+    }
+    out = io.BytesIO()
+    torch.save(payload, out)
+    atomic_write_bytes(Path(path), out.getvalue())
+    return str(path)
+
+
+def load_snapshot(path: str | Path, *, script: str | None = None) -> Snapshot:
+    """Load a snapshot written by :func:`save_snapshot`; classes from the training script
+    need the script (``script=``, or the recorded path when it guards its training with
+    ``if __name__ == "__main__":``)."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise NanhuntError(f"no such snapshot: {path}") from None
+    except Exception as exc:
+        raise NanhuntError(f"{path} is not a nanhunt snapshot ({type(exc).__name__})") from None
+    if not isinstance(payload, dict) or payload.get("format") != _SNAPSHOT_FORMAT:
+        raise NanhuntError(f"{path} is not a nanhunt snapshot")
+    if payload.get("version") != _SNAPSHOT_VERSION:
+        raise NanhuntError(f"snapshot version {payload.get('version')} is not supported")
+    cls = payload["class"]
+    globals_ = None
+    if cls.startswith("__main__."):
+        script = script or payload.get("script") or None
+        if script is None or not Path(script).exists():
+            raise NanhuntError(
+                f"the culprit's class {cls[9:]} is defined in the training script; "
+                "pass it with --script train.py")
+        if script != payload.get("script") or _guarded(Path(script)):
+            globals_ = runpy.run_path(str(script), run_name="__nanhunt_replay__")
+        else:
+            raise NanhuntError(
+                f"the culprit's class {cls[9:]} is defined in {script}, which has no "
+                "'if __name__ == \"__main__\":' guard; pass --script explicitly to import it "
+                "(its top-level code will run)")
+    try:
+        with _main_module_from(globals_):
+            module = torch.load(io.BytesIO(payload["module_bytes"]), map_location="cpu",
+                                weights_only=False)
+    except (AttributeError, ModuleNotFoundError, ImportError) as exc:
+        raise NanhuntError(f"cannot import the culprit's class {cls}: {exc}") from None
+    enabled, dtype = payload["autocast"]
+    return Snapshot(module=module, name=payload["name"], args=payload["args"],
+                    kwargs=payload["kwargs"], grad_outputs=payload["grad_outputs"],
+                    autocast=(bool(enabled), getattr(torch, dtype) if dtype else None),
+                    phase=payload["phase"], step=payload["step"],
+                    stale_inputs=list(payload.get("stale_inputs") or []),
+                    call_site=tuple(payload["call_site"]) if payload.get("call_site") else None)
+
+
+def _guarded(path: Path) -> bool:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    return "__name__" in text and "__main__" in text
+
+
+def print_replay(snap: Snapshot, result: ReplayResult, console: Any) -> None:
+    """The op-level trace of a replay, the first non-finite op marked."""
+    from rich.table import Table
+
+    console.print(f"[bold]replay of {snap.name}[/] ({type(snap.module).__name__}, "
+                  f"step {snap.step}, failure in {snap.phase})")
+    table = Table(show_edge=False, pad_edge=False)
+    for col in ("#", "op", "phase", "dtype", "amax", "non-finite", "source"):
+        table.add_column(col, overflow="fold")
+    for op in result.ops:
+        mark = "[bold red]▶[/] " if op.first_nonfinite else ""
+        table.add_row(str(op.index), mark + op.op, op.phase, op.dtype,
+                      f"{op.amax:.3g}" if math.isfinite(op.amax) else str(op.amax),
+                      str(op.nonfinite), op.source or "")
+    console.print(table)
+    if result.dropped_ops:
+        console.print(f"… {result.dropped_ops} more ops not shown")
+    if result.error:
+        console.print(f"[red]the replay raised {result.error}[/]")
+    if result.first is not None:
+        console.print(f"first non-finite value: [bold]{result.first.op}[/] ({result.first.phase})"
+                      + (f" at {result.first.source}" if result.first.source else ""))
+    else:
+        console.print("every op produced finite values in this replay")

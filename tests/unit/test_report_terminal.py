@@ -1,0 +1,382 @@
+"""The rich terminal report, rendered on hand-built traces at 80 columns without colour."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+from rich.console import Console
+
+from nanhunt.formats import get_format
+from nanhunt.report import render_terminal
+from nanhunt.report._common import (
+    fmt_compact,
+    fmt_num,
+    fmt_pct,
+    fmt_scale,
+    fold_steps,
+    module_rows,
+    verdict,
+)
+from nanhunt.report._example import example_trace
+from nanhunt.trace import (
+    Failure,
+    Finding,
+    LayerStats,
+    RankSummary,
+    Recommendation,
+    RunInfo,
+    StepRecord,
+    TensorStats,
+    Trace,
+)
+
+FP16 = get_format("float16")
+
+
+# ----------------------------------------------------------------------------- factory
+
+
+def stats(amax: float, amin: float = 1e-3, *, nan: int = 0, posinf: int = 0, underflow: int = 0):
+    return TensorStats(
+        dtype="float16",
+        shape=[4, 4],
+        numel=1000,
+        nan=nan,
+        posinf=posinf,
+        amax=amax,
+        amin=amin,
+        overflow=nan + posinf,
+        underflow=underflow,
+    )
+
+
+def layer(name: str, fwd_amax: float, bwd_amax: float = 1.0, **kw) -> LayerStats:
+    return LayerStats(
+        module=name, type="Linear", calls=1, forward=stats(fwd_amax, **kw), backward=stats(bwd_amax)
+    )
+
+
+def render(trace: Trace, width: int = 80, **kw) -> list[str]:
+    out = io.StringIO()
+    render_terminal(trace, Console(file=out, width=width, color_system=None), **kw)
+    return out.getvalue().splitlines()
+
+
+def text_of(lines: list[str]) -> str:
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def table_modules(lines: list[str], names: list[str]) -> list[str]:
+    """Module names in the order their table rows appear."""
+    found = []
+    for line in lines:
+        words = line.replace("▶", " ").split()
+        if words and words[0] in names:
+            found.append(words[0])
+    return found
+
+
+# ----------------------------------------------------------------------------- verdict
+
+
+def test_problem_verdict_names_kind_phase_step_and_module():
+    lines = render(example_trace())
+    assert lines[0].startswith("╭")
+    assert "PROBLEM: overflow in forward at step 3, module encoder.blocks.1.ffn.wo" in lines[1]
+
+
+def test_ok_verdict_counts_warnings():
+    trace = Trace(layers=[layer("fc", 10.0)])
+    assert "OK: no non-finite values; 0 warnings" in text_of(render(trace))
+    trace.warnings = [Finding("r", "overflow", "warning", "near max", score=1.0)]
+    assert "OK: no non-finite values; 1 warning" in text_of(render(trace))
+
+
+def test_ok_verdict_mentions_facts():
+    trace = Trace(facts=["step 0: inf gradients, GradScaler skipped the step"])
+    assert "OK: no problem found (1 expected non-finite event" in text_of(render(trace))
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "expected"),
+    [
+        ("crashed", "Traceback...\nRuntimeError: boom", "(script crashed: RuntimeError: boom)"),
+        ("crashed", None, "PARTIAL REPORT (script crashed)"),
+        ("interrupted", "KeyboardInterrupt", "PARTIAL REPORT (interrupted: KeyboardInterrupt)"),
+        ("running", None, "PARTIAL REPORT (run still in progress)"),
+    ],
+)
+def test_partial_runs_say_so_first(status, error, expected):
+    trace = Trace(run=RunInfo(status=status, error=error))
+    text = text_of(render(trace, width=100))
+    assert expected in text
+    assert "OK so far: no non-finite values" in text
+    assert text.index("PARTIAL REPORT") < text.index("OK so far")
+
+
+def test_partial_run_with_problem_keeps_both_lines():
+    trace = example_trace()
+    trace.run.status = "crashed"
+    trace.run.error = "RuntimeError: loss is nan"
+    v = verdict(trace)
+    assert v.partial == "PARTIAL REPORT (script crashed: RuntimeError: loss is nan)"
+    assert v.headline.startswith("PROBLEM: overflow")
+    text = text_of(render(trace))
+    assert "PARTIAL REPORT (script crashed: RuntimeError: loss is nan)" in text
+    assert "PROBLEM: overflow in forward at step 3" in text
+
+
+def test_problem_without_module_names_the_tensor():
+    ff = Failure(step=2, phase="forward", module="", tensor="loss", stats=stats(0.0, nan=1))
+    trace = Trace(first_failure=ff, problem=True)
+    assert verdict(trace).headline == "PROBLEM: non-finite value in forward at step 2, tensor loss"
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def test_first_failure_section_shows_location_source_and_values():
+    text = text_of(render(example_trace()))
+    assert "step 3 / forward / encoder.blocks.1.ffn.wo / output / aten::addmm" in text
+    assert "models/t5.py:88" in text
+    assert "› return self.wo(self.dropout(self.act(self.wi(x))))" in text
+    assert "37 +inf, 5 -inf, 0 nan" in text
+    assert "float16 max 65504" in text
+
+
+def test_diagnosis_lists_its_evidence():
+    trace = example_trace()
+    lines = render(trace)
+    text = text_of(lines)
+    assert "overflow (forward-overflow): encoder.blocks.1.ffn.wo's output exceeds" in text
+    bullets = [line.strip() for line in lines if line.strip().startswith("•")]
+    assert any("sibling encoder.blocks.0.ffn.wo peaks at 3.12e+04" in b for b in bullets)
+
+
+def test_warnings_are_ranked_by_score():
+    trace = Trace(
+        warnings=[
+            Finding("a", "underflow", "warning", "low one", score=0.1),
+            Finding("b", "overflow", "warning", "high one", score=5.0),
+            Finding("c", "loss_scale", "warning", "middle one", score=1.0),
+        ]
+    )
+    text = text_of(render(trace))
+    assert text.index("high one") < text.index("middle one") < text.index("low one")
+
+
+def test_module_table_is_sorted_worst_first():
+    trace = Trace(
+        layers=[
+            layer("safe", 2.0),
+            layer("close", 40000.0),  # log2(65504/40000) = 0.71 binades
+            layer("broken", 10.0, nan=3),
+            layer("middle", 4000.0),
+        ]
+    )
+    lines = render(trace)
+    assert table_modules(lines, ["safe", "close", "broken", "middle"]) == [
+        "broken",
+        "close",
+        "middle",
+        "safe",
+    ]
+    rows = module_rows(trace, FP16)
+    assert rows[1].headroom == pytest.approx(math.log2(65504 / 40000))
+    assert rows[0].nonfinite == 3
+    assert rows[0].headroom == -math.inf
+
+
+def test_culprit_row_comes_first_and_is_marked():
+    trace = Trace(layers=[layer("a", 60000.0), layer("b", 1.0)])
+    trace.first_failure = Failure(3, "forward", "b", "output", stats(1.0, posinf=2))
+    lines = render(trace)
+    row = next(line for line in lines if "b " in line and "▶" in line)
+    assert row.lstrip().startswith("▶ b")
+    assert table_modules(lines, ["a", "b"]) == ["b", "a"]
+    assert "▶ first failure" in text_of(lines)
+
+
+def test_module_table_folds_to_max_layers():
+    names = [f"model.layers.{i}.mlp.down_proj" for i in range(20)]
+    trace = Trace(layers=[layer(name, 2.0**i) for i, name in enumerate(names)])
+    lines = render(trace, max_layers=5)
+    shown = table_modules(lines, names)
+    assert shown == names[::-1][:5]  # the largest amax (least headroom) first
+    assert "… 15 more modules (use --all)" in text_of(lines)
+    all_lines = render(trace, show_all=True, max_layers=5)
+    assert len(table_modules(all_lines, names)) == 20
+    assert "more modules" not in text_of(all_lines)
+
+
+def test_module_table_reads_at_80_columns():
+    lines = render(example_trace())
+    header = next(i for i, line in enumerate(lines) if line.startswith("module"))
+    assert "type" in lines[header]
+    assert "amax" in lines[header]
+    row = next(line for line in lines if "encoder.blocks.1.ffn.wo" in line and "▶" in line)
+    assert row.split()[1:] == ["encoder.blocks.1.ffn.wo", "Linear", "6.55e+04", "2.9", "-inf",
+                               "1.6%", "42"]  # fmt: skip
+
+
+def test_timeline_folds_long_runs_but_keeps_skipped_and_nonfinite_steps():
+    steps = [StepRecord(i, loss=1.0, scale=65536.0, grad_norm=0.5) for i in range(100)]
+    steps[40].skipped = True
+    steps[70].nonfinite = True
+    steps[70].loss = math.nan
+    trace = Trace(steps=steps)
+    lines = render(trace)
+    shown = [int(line.split()[0]) for line in lines if line.strip()[:1].isdigit()]
+    assert shown == [0, 1, 2, 40, 70, 97, 98, 99]
+    text = text_of(lines)
+    assert "37 steps hidden" in text
+    assert "26 steps hidden" in text
+    assert "skipped" in next(line for line in lines if line.strip().startswith("40 "))
+    assert fold_steps(trace, show_all=True) == steps
+
+
+def test_timeline_marks_failure_and_scaler_backoff():
+    text = text_of(render(example_trace()))
+    step3 = next(line for line in text.splitlines() if line.strip().startswith("3 "))
+    assert "nan" in step3
+    assert "2^14" in step3
+    assert "first failure, backoff → 2^13" in step3
+
+
+def test_recommendations_show_type_verification_and_snippet():
+    text = text_of(render(example_trace()))
+    assert "1. fp32_module · encoder.blocks.*.ffn.wo" in text
+    assert "✓ verified: replayed step 3" in text
+    assert "2. init_scale · value 4096 (2^12)" in text
+    assert "✗ not verified: not replayed" in text
+    assert 'scaler = torch.amp.GradScaler("cuda", init_scale=4096.0)' in text
+    assert "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)" in text
+    lines = text.splitlines()
+    loop = next(line for line in lines if "for block in model.encoder.blocks:" in line)
+    body = next(line for line in lines if "block.ffn.wo = FP32(block.ffn.wo)" in line)
+    assert len(body) - len(body.lstrip()) == len(loop) - len(loop.lstrip()) + 4
+
+
+def test_facts_are_listed_and_folded():
+    trace = Trace(facts=[f"fact number {i}" for i in range(12)])
+    text = text_of(render(trace))
+    assert "• fact number 0" in text
+    assert "fact number 11" not in text
+    assert "… 4 more facts (use --all)" in text
+    assert "• fact number 11" in text_of(render(trace, show_all=True))
+
+
+def test_ranks_section_for_multi_rank_runs():
+    ff = Failure(5, "backward", "fc", "grad_output[0]", stats(1.0, nan=1))
+    trace = Trace(
+        ranks=[
+            RankSummary(0, steps=[StepRecord(0)]),
+            RankSummary(1, first_failure=ff),
+            RankSummary(2, answered=False),
+        ]
+    )
+    text = text_of(render(trace))
+    assert "rank 0: no non-finite values in 1 step" in text
+    assert "rank 1: first failure at step 5 / backward / fc / grad_output[0]" in text
+    assert "rank 2: did not answer" in text
+
+
+# ----------------------------------------------------------------------------- robustness
+
+
+def hostile_trace() -> Trace:
+    long = "model." + ".".join(f"very_long_submodule_name_{i}" for i in range(6))
+    markup = "[red]m[/red]"
+    trace = example_trace()
+    trace.layers.append(layer(long, math.inf, math.nan))
+    trace.layers.append(layer(markup, 1.0))
+    trace.first_failure.module = long
+    trace.first_failure.source_line = "x = " + "y * " * 40 + "z"
+    trace.diagnosis.message = "a message " * 30
+    trace.recommendations[0].snippet = "call(" + ", ".join(f"arg{i}" for i in range(40)) + ")"
+    trace.facts.append("x" * 200)
+    trace.facts.append("[bold]not markup[/bold] :fire:")
+    return trace
+
+
+@pytest.mark.parametrize("show_all", [False, True])
+def test_no_line_is_longer_than_80_columns(show_all):
+    for trace in (example_trace(), hostile_trace(), Trace()):
+        lines = render(trace, show_all=show_all)
+        assert max(len(line) for line in lines) <= 80
+
+
+def test_user_strings_are_not_rich_markup():
+    text = text_of(render(hostile_trace(), show_all=True))
+    assert "[red]m[/red]" in text
+    assert "[bold]not markup[/bold] :fire:" in text
+
+
+def test_no_colour_codes_without_a_terminal_and_colour_with_one():
+    assert "\x1b[" not in "\n".join(render(example_trace()))
+    out = io.StringIO()
+    console = Console(file=out, width=80, force_terminal=True, color_system="truecolor")
+    render_terminal(example_trace(), console)
+    assert "\x1b[" in out.getvalue()
+
+
+def test_non_finite_and_missing_stats_render():
+    weird = TensorStats(
+        dtype="float32", shape=[], numel=0, amax=math.inf, amin=math.inf, headroom=math.nan
+    )
+    trace = Trace(
+        layers=[
+            LayerStats(module="nostats", type="Identity"),
+            LayerStats(module="weird", type="Linear", forward=weird, backward=stats(0.0)),
+        ],
+        steps=[StepRecord(0), StepRecord(1, loss=math.inf, scale=3.0, grad_norm=math.nan)],
+        recommendations=[Recommendation(type="lower_lr", value=None, snippet="")],
+        run=RunInfo(target="no-such-format"),
+    )
+    text = text_of(render(trace))
+    assert "nostats" in text
+    assert "weird" in text
+    assert "lower_lr" in text
+
+
+def test_empty_trace():
+    lines = render(Trace())
+    assert "OK: no non-finite values; 0 warnings" in lines[1]
+    assert len(lines) == 4  # the panel only
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (None, "—"),
+        (0.0, "0"),
+        (210.0, "210"),
+        (0.03125, "0.03125"),
+        (65504.0, "6.55e+04"),
+        (4.1e-8, "4.10e-08"),
+        (math.inf, "inf"),
+        (-math.inf, "-inf"),
+        (math.nan, "nan"),
+    ],
+)
+def test_fmt_num(value, text):
+    assert fmt_num(value) == text
+
+
+def test_fmt_compact_pct_scale():
+    assert [fmt_compact(n) for n in (0, 42, 9999, 131072, 2_100_000)] == [
+        "0",
+        "42",
+        "9,999",
+        "131k",
+        "2.1M",
+    ]
+    assert [fmt_pct(f) for f in (0.0, 0.0004, 0.016, 0.31)] == ["0%", "<0.1%", "1.6%", "31%"]
+    assert fmt_scale(65536.0) == "65536 (2^16)"
+    assert fmt_scale(3.0) == "3"
+    assert fmt_scale(2.0**-3) == "2^-3"
