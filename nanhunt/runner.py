@@ -15,7 +15,7 @@ from .errors import NanhuntError
 __all__ = ["Outcome", "Target", "print_user_traceback", "run_target"]
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
-_HIDDEN = (_PACKAGE_DIR, str(Path(runpy.__file__).resolve()))
+_HIDDEN = (_PACKAGE_DIR, str(Path(runpy.__file__).resolve()), "<frozen runpy>")
 
 
 @dataclass

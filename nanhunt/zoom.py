@@ -61,8 +61,9 @@ def _user_source() -> tuple[str | None, str | None]:
     frame = sys._getframe(2)
     while frame is not None:
         fname = frame.f_code.co_filename
-        if not (fname.startswith(_TORCH_DIR) or fname.startswith(_OUR_DIR)
-                or fname.startswith("<")):
+        if fname.startswith(_OUR_DIR):
+            return None, None  # reached the replay itself: the op ran in torch's own code
+        if not (fname.startswith(_TORCH_DIR) or fname.startswith("<")):
             line = linecache.getline(fname, frame.f_lineno).strip() or None
             return f"{fname}:{frame.f_lineno}", line
         frame = frame.f_back

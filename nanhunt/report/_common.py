@@ -124,6 +124,12 @@ def plural(n: int, word: str, words: str | None = None) -> str:
     return f"{n} {word if n == 1 else (words or word + 's')}"
 
 
+def bad_samples_text(indices: list[int], limit: int = 8) -> str:
+    """Sample indices, the first few of them: ``3, 17, 42 (+5 more)``."""
+    text = ", ".join(str(i) for i in indices[:limit])
+    return text + (f" (+{len(indices) - limit} more)" if len(indices) > limit else "")
+
+
 def first_line(text: str | None, limit: int = 160) -> str:
     """The most telling line of an error message: the last non-empty one (a traceback's end)."""
     lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]

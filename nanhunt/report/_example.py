@@ -329,4 +329,5 @@ def example_trace() -> Trace:
             ),
         ],
         snapshot="culprit-step3.pt",
+        grad_hist={"float32": _hist(-34, 0, 2_400_000, peak=-15)},
     )

@@ -226,7 +226,7 @@ def _bar(
     return out
 
 
-def _nonfinite_text(stats: TensorStats | None) -> str:
+def nonfinite_text(stats: TensorStats | None) -> str:
     if stats is None or not stats.nonfinite:
         return ""
     parts = []
@@ -253,7 +253,7 @@ def range_chart(layers: Sequence[LayerStats], fmt: NumberFormat, culprit: str | 
     height = head + row_h * len(layers) + 28
     body_y0, body_y1 = head - 6, head + row_h * len(layers)
     parts = [
-        f'<svg class="range-chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} '
+        f'<svg class="range-chart" viewBox="0 0 {width} '
         f'{height}" width="100%" role="img" aria-label="value ranges per module against '
         f'{esc(fmt.name)} limits" {_FONT}>',
         _DEFS,
@@ -294,7 +294,7 @@ def range_chart(layers: Sequence[LayerStats], fmt: NumberFormat, culprit: str | 
         )
         parts += _bar(axis, layer.forward, y + 6, 7, FWD, "forward")
         parts += _bar(axis, layer.backward, y + 15, 7, BWD, "backward")
-        marks = [t for t in (_nonfinite_text(layer.forward), _nonfinite_text(layer.backward)) if t]
+        marks = [t for t in (nonfinite_text(layer.forward), nonfinite_text(layer.backward)) if t]
         if marks:
             parts.append(
                 f'<text x="{n(axis.x1 + 8)}" y="{n(y + 18)}" font-size="11" fill="{BAD}" '
@@ -340,8 +340,8 @@ def line_chart(
         values.append(limit[0])
     if not finite:
         return (
-            f'<svg class="chart empty" viewBox="0 0 {width} 60" width="100%" '
-            f'xmlns="http://www.w3.org/2000/svg"><text x="{width // 2}" y="34" '
+            f'<svg class="chart empty" viewBox="0 0 {width} 60" width="100%">'
+            f'<text x="{width // 2}" y="34" '
             f'text-anchor="middle" fill="{MUTED}" font-size="13">no finite values recorded'
             "</text></svg>"
         )
@@ -373,10 +373,7 @@ def line_chart(
         t = min(max(tr(v), y_lo), y_hi)
         return py1 - (t - y_lo) / (y_hi - y_lo) * (py1 - py0)
 
-    out = [
-        f'<svg class="chart" viewBox="0 0 {width} {height}" width="100%" '
-        f'xmlns="http://www.w3.org/2000/svg" {_FONT}>'
-    ]
+    out = [f'<svg class="chart" viewBox="0 0 {width} {height}" width="100%" {_FONT}>']
     half = max((px1 - px0) / max(x_hi - x_lo, 1) / 2, 1.5)
     for s in _runs(sorted(set(skipped))):
         a, b = to_x(s[0]) - half, to_x(s[1]) + half
@@ -492,56 +489,87 @@ def _polyline(
 # ----------------------------------------------------------------------------- histogram
 
 
-def histogram_chart(stats: TensorStats, fmt: NumberFormat) -> str:
-    """The exponent histogram (binade -> count) with the target's window; non-finite at right."""
+def histogram_chart(
+    hist: dict[int, int],
+    fmt: NumberFormat,
+    *,
+    nonfinite: int = 0,
+    nonfinite_title: str = "",
+    shift: int | None = None,
+    shift_label: str = "",
+) -> str:
+    """An exponent histogram (binade -> count, log count axis) against the target's window.
+
+    ``nonfinite`` values get their own bar at the right. ``shift`` also outlines the histogram
+    moved by that many binades (the gradients multiplied by a loss scale of ``2**shift``).
+    """
     width, height = 1100, 250
     ml, mr, mt, mb = 56, 110, 40, 30
-    keys = sorted(stats.hist)
-    lo, hi = binade_domain(fmt, [2.0**k for k in keys] + [2.0 ** (k + 1) for k in keys], pad=1)
+    keys = sorted(k for k, c in hist.items() if c > 0)
+    span = [*keys, *(k + 1 for k in keys)]
+    if shift is not None:
+        span += [k + shift for k in span]
+    lo, hi = binade_domain(fmt, [2.0**k for k in span], pad=1)
     axis = _Axis(lo, hi, ml, width - mr)
     py0, py1 = mt, height - mb
-    counts = [c for c in stats.hist.values() if c > 0]
-    top = math.log10(1 + max([*counts, stats.nonfinite, 1]))
-    top = max(math.ceil(top), 1)
+    top = max(math.ceil(math.log10(1 + max([*(hist[k] for k in keys), nonfinite, 1]))), 1)
 
     def to_y(c: float) -> float:
         return py1 - math.log10(1 + c) / top * (py1 - py0)
 
     out = [
-        f'<svg class="hist-chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} '
+        f'<svg class="hist-chart" viewBox="0 0 {width} '
         f'{height}" width="100%" role="img" aria-label="exponent histogram" {_FONT}>',
         _DEFS,
     ]
     out += _zones(axis, fmt, py0, py1)
     for k in range(top + 1):
-        label = "1" if k == 0 else ("10" if k == 1 else "10" + superscript(k))
-        out += _ytick(ml, width - mr, to_y(10**k - 1 if k else 0), label if k else "0")
+        label = "0" if k == 0 else ("10" if k == 1 else "10" + superscript(k))
+        out += _ytick(ml, width - mr, to_y(10**k - 1 if k else 0), label)
     out += _binade_ticks(axis, py1, py1 + 4, height - 10, 20)
     bw = (axis.x1 - axis.x0) / (hi - lo)
     for k in keys:
-        c = stats.hist[k]
-        if c <= 0:
-            continue
-        x = axis.x(k)
-        y = to_y(c)
-        inside = fmt.min_normal_binade <= k <= fmt.max_binade
-        colour = FWD if inside else ("#b45309" if k < fmt.min_normal_binade else BAD)
+        c = hist[k]
+        x, y = axis.x(k), to_y(c)
+        if k > fmt.max_binade:
+            colour = BAD
+        elif k >= fmt.min_normal_binade:
+            colour = FWD
+        elif k >= fmt.min_subnormal_binade:
+            colour = "#d97706"
+        else:
+            colour = "#94a3b8"
         out.append(
             f'<rect class="hist-bar" x="{n(x + 0.5)}" y="{n(y)}" width="{n(max(bw - 1, 1))}" '
             f'height="{n(py1 - y)}" fill="{colour}"><title>[{esc(pow2_label(k))}, '
             f"{esc(pow2_label(k + 1))}): {c:,}</title></rect>"
         )
-    if stats.nonfinite:
+    if shift is not None and keys:
+        d = []
+        for k in keys:
+            x0, x1, y = axis.x(k + shift), axis.x(k + shift + 1), to_y(hist[k])
+            d.append(f"M{n(x0)} {n(py1)} V{n(y)} H{n(x1)} V{n(py1)}")
+        out.append(
+            f'<path class="hist-shifted" d="{" ".join(d)}" fill="none" stroke="#7c3aed" '
+            f'stroke-width="1.5"/>'
+        )
+        if shift_label:
+            peak = max(keys, key=lambda k: hist[k])
+            x = (axis.x(peak + shift) + axis.x(peak + shift + 1)) / 2
+            out.append(
+                f'<text x="{n(x)}" y="{n(to_y(hist[peak]) - 6)}" text-anchor="middle" '
+                f'fill="#7c3aed" font-size="11" font-weight="600">{esc(shift_label)}</text>'
+            )
+    if nonfinite:
         x = width - mr + 30
-        y = to_y(stats.nonfinite)
+        y = to_y(nonfinite)
         out.append(
             f'<rect class="hist-nonfinite" x="{n(x)}" y="{n(y)}" width="28" '
-            f'height="{n(py1 - y)}" fill="{BAD}"><title>{esc(_nonfinite_text(stats))}'
-            f"</title></rect>"
+            f'height="{n(py1 - y)}" fill="{BAD}"><title>{esc(nonfinite_title)}</title></rect>'
             f'<text x="{n(x + 14)}" y="{height - 10}" text-anchor="middle" fill="{BAD}" '
             f'font-size="11" font-weight="600">inf/nan</text>'
             f'<text x="{n(x + 14)}" y="{n(y - 5)}" text-anchor="middle" fill="{BAD}" '
-            f'font-size="11">{esc(fmt_compact(stats.nonfinite))}</text>'
+            f'font-size="11">{esc(fmt_compact(nonfinite))}</text>'
         )
     out += _limit_lines(axis, fmt, py0 - 6, py1)
     out += _limit_labels(axis, fmt, py0 - 12, left=ml - 40)

@@ -17,6 +17,7 @@ from ..formats import NumberFormat
 from ..trace import Failure, Finding, OpRecord, Recommendation, Trace
 from . import _svg
 from ._common import (
+    bad_samples_text,
     fmt_binades,
     fmt_compact,
     fmt_count,
@@ -70,6 +71,8 @@ def render_html(trace: Trace) -> str:
         body.append(_timeline(trace, fmt))
     if trace.first_failure is not None and _has_histogram(trace):
         body.append(_histogram(trace.first_failure, fmt))
+    if trace.grad_hist:
+        body.append(_grad_histograms(trace, fmt))
     if trace.layers:
         body.append(_modules(trace, fmt))
     if trace.warnings:
@@ -80,6 +83,8 @@ def render_html(trace: Trace) -> str:
         body.append(_ops(trace.ops))
     if trace.ranks:
         body.append(_ranks(trace))
+    if trace.notes:
+        body.append(_notes(trace.notes))
     body.append(_run_facts(trace, fmt))
     body.append(_footer(trace))
     body.append("</main>")
@@ -200,6 +205,7 @@ def _nav(trace: Trace) -> str:
         (trace.facts, "facts", "Facts"),
         (trace.ops, "ops", "Op replay"),
         (trace.ranks, "ranks", "Ranks"),
+        (trace.notes, "notes", "Notes"),
     ):
         if cond:
             links.append((id_, label))
@@ -282,6 +288,9 @@ def _failure(ff: Failure, fmt: NumberFormat) -> str:
         for k, v, c in stats
     )
     detail = f'<p class="detail">{esc(ff.detail)}</p>' if ff.detail else ""
+    if ff.bad_samples:
+        samples = "; ".join(f"{k}: {bad_samples_text(v)}" for k, v in ff.bad_samples.items())
+        detail += f'<p class="detail">Samples with non-finite values: {esc(samples)}</p>'
     over = f", {fmt_count(s.overflow)} over the max" if s.overflow else ""
     inner = (
         f'<div class="kv-row">{cells}</div>{source}'
@@ -438,12 +447,49 @@ def _histogram(ff: Failure, fmt: NumberFormat) -> str:
         f"<code>{esc(ff.module or ff.tensor)}</code>'s {esc(ff.tensor)} at step {ff.step} "
         "(log count axis)."
     )
-    chart = _svg.histogram_chart(ff.stats, fmt)
+    chart = _svg.histogram_chart(
+        ff.stats.hist,
+        fmt,
+        nonfinite=ff.stats.nonfinite,
+        nonfinite_title=_svg.nonfinite_text(ff.stats),
+    )
     return _card(
         "histogram",
         "Exponent histogram of the first failure",
         f'<div class="chart-wrap">{chart}</div>',
         sub=sub,
+    )
+
+
+def _grad_histograms(trace: Trace, fmt: NumberFormat) -> str:
+    scales = [s.scale for s in trace.steps if s.scale is not None and s.scale > 0]
+    shift = round(math.log2(scales[0])) if scales and math.isfinite(scales[0]) else None
+    charts = []
+    for dtype, hist in sorted(trace.grad_hist.items()):
+        label = f"× loss scale 2{_svg.superscript(shift)}" if shift is not None else ""
+        chart = _svg.histogram_chart(hist, fmt, shift=shift, shift_label=label)
+        charts.append(
+            f'<figure class="wide"><figcaption>{esc(dtype)} gradients</figcaption>'
+            f'<div class="chart-wrap">{chart}</div></figure>'
+        )
+    sub = (
+        "Parameter gradients before loss scaling, per binade (log count axis), against "
+        f"{esc(fmt.name)}'s limits."
+    )
+    if shift is not None:
+        sub += (
+            f" The purple outline is the same gradients multiplied by the first recorded loss "
+            f"scale (2<sup>{shift}</sup>): what the scaler must fit into the range."
+        )
+    return _card("gradients", "Gradient exponents", "".join(charts), sub=sub)
+
+
+def _notes(notes: Sequence[str]) -> str:
+    return _card(
+        "notes",
+        "Notes",
+        _list(notes, "facts"),
+        sub="Limits of this report: stages that failed or could not be checked.",
     )
 
 
@@ -735,7 +781,8 @@ svg text.mono{font-family:var(--mono)}
 svg{font-family:inherit}
 .mini-grid{display:grid;grid-template-columns:repeat(2,minmax(0,1fr));gap:10px 22px}
 @media (max-width:900px){.mini-grid{grid-template-columns:1fr}}
-figure.mini{margin:0}
+figure.mini{margin:0}figure.wide{margin:0 0 8px}
+figure.wide figcaption{font-size:13px;font-weight:600;color:#334155;margin:4px 0}
 figure.mini figcaption{font-size:13px;font-weight:600;color:#334155;margin:4px 0 0 4px;
 overflow-wrap:anywhere}
 details.steps{margin-top:14px}

@@ -21,6 +21,7 @@ from ..formats import NumberFormat
 from ..trace import Failure, Finding, Recommendation, Trace
 from ._common import (
     ModuleRow,
+    bad_samples_text,
     first_line,
     fmt_binades,
     fmt_compact,
@@ -89,6 +90,9 @@ def render_terminal(
     if len(trace.ranks) > 1:
         _section(console, "Ranks")
         _ranks(console, trace)
+    if trace.notes:
+        _section(console, "Notes (limits of this report)")
+        console.print(_bullets(trace.notes, indent=0, style="yellow"))
 
 
 def _section(console: Console, title: str) -> None:
@@ -163,6 +167,8 @@ def _failure(ff: Failure, fmt: NumberFormat) -> Table:
     grid.add_row("limit", Text(f"{fmt.name} max {fmt.max:g}"))
     if ff.detail:
         grid.add_row("detail", Text(ff.detail))
+    for name, indices in ff.bad_samples.items():
+        grid.add_row("samples", Text(f"{name}: {bad_samples_text(indices)}", style="red"))
     return grid
 
 

@@ -136,6 +136,7 @@ def test_no_remote_resources():
         assert tag not in ("link", "iframe", "img", "object", "embed")
     assert not re.search(r"""\b(src|href)\s*=\s*["']?\s*(https?:)?//""", page, re.I)
     assert "@import" not in page
+    assert "http" not in render_html(example_trace())  # not even an xmlns
     assert not re.search(r"url\(\s*['\"]?(https?:)?//", page, re.I)
 
 
@@ -219,6 +220,7 @@ def test_bars_sit_where_their_values_are():
 
 def test_histogram_has_a_bar_per_binade():
     trace = example_trace()
+    trace.grad_hist = {}
     p = parse(render_html(trace))
     bars = p.with_class("rect", "hist-bar")
     assert len(bars) == sum(1 for c in trace.first_failure.stats.hist.values() if c > 0)
@@ -230,7 +232,7 @@ def test_timeline_marks_skipped_steps_and_failure():
     assert p.with_class("rect", "skipped")
     assert p.with_class("line", "fail-step")
     assert p.with_class("g", "nonfinite-point")  # nan losses
-    figures = [a for t, a in p.tags if t == "figure"]
+    figures = p.with_class("figure", "mini")
     assert len(figures) == 4  # loss, scale, grad norm, culprit amax
 
 
@@ -366,3 +368,22 @@ def test_headless_browser_renders_the_page(tmp_path: Path):
     assert 'id="verdict"' in dom
     assert "PROBLEM: overflow in forward at step 3" in dom
     assert "<script>alert(1)" not in dom
+
+
+def test_gradient_histograms_notes_and_bad_samples():
+    trace = example_trace()
+    trace.first_failure.bad_samples = {"input[0]": list(range(20))}
+    trace.notes = ["replaying culprit-step3.pt raised RuntimeError: <oops>"]
+    page = render_html(trace)
+    p = parse(page)
+    ids = {a.get("id") for _, a in p.tags}
+    assert {"gradients", "notes"} <= ids
+    (hist,) = trace.grad_hist.values()
+    charts = p.with_class("svg", "hist-chart")
+    assert len(charts) == 2  # the culprit's and the gradients'
+    bars = p.with_class("rect", "hist-bar")
+    assert len(bars) == len(trace.first_failure.stats.hist) + len(hist)
+    assert p.with_class("path", "hist-shifted")  # moved by the first loss scale, 2^16
+    assert "× loss scale 2¹⁶" in page
+    assert "Samples with non-finite values: input[0]: 0, 1, 2, 3, 4, 5, 6, 7 (+12 more)" in page
+    assert "RuntimeError: &lt;oops&gt;" in page

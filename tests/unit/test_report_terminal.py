@@ -380,3 +380,13 @@ def test_fmt_compact_pct_scale():
     assert fmt_scale(65536.0) == "65536 (2^16)"
     assert fmt_scale(3.0) == "3"
     assert fmt_scale(2.0**-3) == "2^-3"
+
+
+def test_notes_and_bad_samples():
+    trace = example_trace()
+    trace.first_failure.bad_samples = {"input[0]": [3, 17]}
+    trace.notes = ["the op-level replay failed: RuntimeError: no snapshot"]
+    text = text_of(render(trace))
+    assert "samples  input[0]: 3, 17" in text
+    assert "Notes (limits of this report)" in text
+    assert "• the op-level replay failed: RuntimeError: no snapshot" in text

@@ -1,0 +1,219 @@
+"""The CLI end to end: transparency, exit codes, crash and interrupt paths, reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+SHOW = textwrap.dedent("""
+    import os, sys
+    import helper   # a sibling module: sys.path[0] must be the script's folder
+    print("name", __name__)
+    print("argv", sys.argv)
+    print("file", __file__)
+    print("cwd", os.getcwd())
+    print("path0", sys.path[0])
+    if __name__ == "__main__":
+        sys.exit(int(sys.argv[-1]))
+""")
+
+
+@pytest.fixture
+def show_script(tmp_path):
+    folder = tmp_path / "proj"
+    folder.mkdir()
+    (folder / "helper.py").write_text("X = 1\n")
+    script = folder / "show.py"
+    script.write_text(SHOW)
+    return script
+
+
+def test_script_sees_what_python_gives_it(nanhunt_cmd, run_cli, show_script, tmp_path):
+    args = [str(show_script), "--lr", "1e-3", "--", "--out", "x", "0"]
+    plain = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True)
+    ours = run_cli("diagnose", *args, cmd=nanhunt_cmd)
+    assert plain.returncode == 0
+    assert ours.code == 0, ours.stderr
+    assert ours.stdout == plain.stdout  # nanhunt leaves the script's stdout alone
+    assert "argv ['" + str(show_script) + "', '--lr', '1e-3', '--', '--out', 'x', '0']" \
+        in ours.stdout
+
+
+def test_sys_exit_code_passes_through(run_cli, show_script):
+    assert run_cli("diagnose", str(show_script), "4").code == 4
+
+
+def test_module_mode(run_cli, tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(textwrap.dedent("""
+        import sys
+        print("name", __name__, "argv", sys.argv[1:])
+    """))
+    res = run_cli("diagnose", "--quiet", "-m", "mypkg.train", "--flag", "v")
+    assert res.code == 0, res.stderr
+    assert "name __main__ argv ['--flag', 'v']" in res.stdout
+
+
+def test_missing_script_is_a_one_line_usage_error(run_cli):
+    res = run_cli("diagnose", "nope.py")
+    assert res.code == 2
+    assert res.stderr.strip() == "nanhunt: no such script: nope.py"
+
+
+@pytest.mark.parametrize("args", [["diagnose", "--target", "float13", "x.py"],
+                                  ["diagnose", "--max-steps", "0", "x.py"],
+                                  ["diagnose"], ["frobnicate"], ["diagnose", "--bogus", "x.py"]])
+def test_bad_usage_exits_2_without_traceback(run_cli, args):
+    res = run_cli(*args)
+    assert res.code == 2
+    assert "Traceback" not in res.stderr
+    assert res.stderr.startswith("nanhunt: ")
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_help_documents_exit_codes(run_cli):
+    res = run_cli("diagnose", "--help")
+    assert res.code == 0
+    for code in ("0 ", "1 ", "2 ", "3 ", "130"):
+        assert code in res.stdout
+
+
+CRASH = textwrap.dedent("""
+    import torch
+    from torch import nn
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(8, 4)
+        if step == {nan_step}:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    def broken():
+        raise ValueError("dataset file missing")
+    broken()
+""")
+
+
+def test_crash_prints_the_users_traceback_and_writes_a_partial_report(run_cli, tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH.format(nan_step=99))
+    res = run_cli("diagnose", str(script))
+    assert res.code == 3
+    assert "Traceback (most recent call last)" in res.stderr
+    assert 'ValueError: dataset file missing' in res.stderr
+    assert "nanhunt" + os.sep not in res.stderr.split("ValueError")[0]  # our frames hidden
+    assert "runpy" not in res.stderr
+    report = res.report
+    assert report["run"]["status"] == "crashed"
+    assert report["run"]["error"] == "ValueError: dataset file missing"
+    assert len(report["steps"]) == 3
+
+
+def test_crash_after_a_numeric_problem_exits_1(run_cli, tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH.format(nan_step=1))
+    res = run_cli("diagnose", "--keep-going", str(script))
+    assert res.code == 1
+    report = res.report
+    assert report["first_failure"]["step"] == 1
+    assert report["first_failure"]["phase"] == "data"
+
+
+def test_keyboard_interrupt_gives_exit_130_and_a_partial_report(run_cli, tmp_path):
+    script = tmp_path / "ki.py"
+    script.write_text("raise KeyboardInterrupt\n")
+    res = run_cli("diagnose", str(script))
+    assert res.code == 130
+    assert res.report["run"]["status"] == "interrupted"
+
+
+def test_real_ctrl_c_during_training(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        step = 0
+        while True:
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            step += 1
+            if step == 5:
+                print("ready", flush=True)
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "nanhunt", "diagnose", str(script)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    report = json.loads((tmp_path / "nanhunt-report" / "report.json").read_text())
+    assert report["run"]["status"] == "interrupted"
+    assert len(report["steps"]) >= 5
+
+
+def test_max_steps_stops_the_script(run_cli):
+    res = run_cli("diagnose", "--max-steps", "3", str(EXAMPLES / "healthy_fp16.py"))
+    assert res.code == 0, res.stderr
+    assert len(res.report["steps"]) == 3
+    assert res.report["run"]["status"] == "stopped"
+
+
+def test_ffn_overflow_example(nanhunt_cmd, run_cli):
+    res = run_cli("diagnose", str(EXAMPLES / "ffn_overflow.py"), cmd=nanhunt_cmd)
+    assert res.code == 1, res.stderr
+    f = res.report["first_failure"]
+    assert (f["step"], f["phase"], f["module"], f["tensor"]) == (
+        3, "forward", "encoder.blocks.1.ffn.wo", "output")
+    assert f["op"] == "aten.addmm"
+    assert f["source"].endswith("ffn_overflow.py:" + f["source"].rsplit(":", 1)[1])
+    assert "self.wo" in f["source_line"]
+    for name in ("report.json", "report.html", "report.txt", "snapshot.pt"):
+        assert (res.out / name).exists(), name
+
+
+def test_healthy_example_exits_0(run_cli):
+    res = run_cli("diagnose", str(EXAMPLES / "healthy_fp16.py"))
+    assert res.code == 0, res.stderr
+    assert res.report["first_failure"] is None
+    assert res.report["problem"] is False
+
+
+def test_target_option_judges_an_fp32_run_against_bfloat16(run_cli, tmp_path):
+    script = tmp_path / "fp32.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        model = nn.Linear(4, 4)
+        with torch.no_grad():
+            model.weight.fill_(1e4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.full((2, 4), 10.0)).sum().backward()
+            opt.step()
+    """))
+    res = run_cli("diagnose", "--target", "bfloat16", str(script))
+    assert res.code == 0, res.stderr
+    assert res.report["run"]["target"] == "bfloat16"
+    layer = res.report["layers"][0]
+    assert layer["forward"]["amax"] == pytest.approx(4e5, rel=1e-3)
