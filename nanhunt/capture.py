@@ -102,6 +102,16 @@ def _leaves(obj: Any, path: str) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+
+
+def _unwrap(root: nn.Module) -> nn.Module:
+    while type(root).__name__ in _WRAPPERS and isinstance(getattr(root, "module", None),
+                                                          nn.Module):
+        root = root.module
+    return root
+
+
 def _call_leaves(args: Any, kwargs: dict | None) -> list[tuple[str, torch.Tensor]]:
     leaves = _leaves(args, "input")
     for k, v in (kwargs or {}).items():
@@ -434,6 +444,11 @@ class Hunt:
             exc.add_note(f"nanhunt: first non-finite value at {self.first_failure.where()}")
         return False
 
+    def request_stop(self) -> None:
+        """Ask a session with ``stop_on_problem`` to stop the script at the end of this step
+        (another rank of a distributed run found a problem)."""
+        self._stop_pending = True
+
     def end_step(self) -> None:
         """Mark a step boundary by hand (for loops that never call an optimizer)."""
         self._end_step()
@@ -472,6 +487,11 @@ class Hunt:
         else:
             primary = False
         self._roots.append((weakref.ref(root), label))
+        inner = _unwrap(root)
+        if inner is not root:  # DDP & co: name the user's modules as in their own model
+            self._names[root] = label
+            self._types[label] = type(root).__name__
+            root = inner
         for qual, mod in root.named_modules():
             if primary:
                 name = qual or label
@@ -798,9 +818,9 @@ class Hunt:
         if self._step not in self._step_order:
             self._step_order.append(self._step)
         self._clear_step_handles()
-        stop = self._stop_pending and self.stop_on_problem
         if self.on_step is not None:
             self.on_step(self._step_records[self._step], self)
+        stop = self._stop_pending and self.stop_on_problem
         self._step += 1
         self._begin_step_state()
         if stop:

@@ -313,33 +313,55 @@ def ranked_warnings(trace: Trace) -> list[Finding]:
     return sorted(trace.warnings, key=lambda f: -f.score if math.isfinite(f.score) else -1e300)
 
 
-def fold_steps(
-    trace: Trace, *, head: int = 3, tail: int = 3, show_all: bool = False
-) -> list[StepRecord | int]:
-    """Steps to show: the first and last few plus every skipped, non-finite or failing step.
+@dataclass
+class HiddenSteps:
+    """A run of steps folded out of a timeline, and how many of them were notable."""
 
-    An ``int`` in the result stands for that many hidden steps.
+    count: int = 0
+    skipped: int = 0
+    nonfinite: int = 0
+
+    def describe(self) -> str:
+        extra = [
+            f"{n} {what}"
+            for n, what in ((self.nonfinite, "non-finite"), (self.skipped, "skipped"))
+            if n
+        ]
+        text = f"{plural(self.count, 'step')} hidden"
+        return text + (f" ({', '.join(extra)})" if extra else "")
+
+
+def fold_steps(
+    trace: Trace, *, head: int = 3, tail: int = 3, notable: int = 24, show_all: bool = False
+) -> list[StepRecord | HiddenSteps]:
+    """Steps to show: the first and last few, the failing step and the skipped or non-finite ones.
+
+    At most ``notable`` skipped or non-finite steps are kept (non-finite ones first, then in
+    order); a :class:`HiddenSteps` stands for each run of steps left out.
     """
     steps = trace.steps
     if show_all or len(steps) <= head + tail + 4:
         return list(steps)
     fail_step = trace.first_failure.step if trace.first_failure else None
-    keep = [
-        i < head or i >= len(steps) - tail or s.skipped or s.nonfinite or s.index == fail_step
-        for i, s in enumerate(steps)
-    ]
-    out: list[StepRecord | int] = []
-    hidden = 0
+    n = len(steps)
+    keep = [i < head or i >= n - tail or s.index == fail_step for i, s in enumerate(steps)]
+    candidates = [i for i, s in enumerate(steps) if s.nonfinite and not keep[i]]
+    candidates += [i for i, s in enumerate(steps) if s.skipped and not s.nonfinite and not keep[i]]
+    for i in candidates[: max(notable, 0)]:
+        keep[i] = True
+    out: list[StepRecord | HiddenSteps] = []
+    hidden: HiddenSteps | None = None
     for s, k in zip(steps, keep, strict=True):
         if k:
-            if hidden:
-                out.append(hidden)
-                hidden = 0
+            hidden = None
             out.append(s)
-        else:
-            hidden += 1
-    if hidden:
-        out.append(hidden)
+            continue
+        if hidden is None:
+            hidden = HiddenSteps()
+            out.append(hidden)
+        hidden.count += 1
+        hidden.skipped += s.skipped
+        hidden.nonfinite += s.nonfinite
     return out
 
 

@@ -332,7 +332,8 @@ def line_chart(
 ) -> str:
     """A small step-indexed chart; ``log`` is ``""``, ``"2"`` or ``"10"``."""
     ml, mr, mt, mb = 56, 14, 14, 26
-    pts = series.points
+    pts = thin(series.points)
+    series = Series(pts, series.colour, series.step)
     steps = [s for s, _ in pts] or [0]
     finite = [v for _, v in pts if v is not None and math.isfinite(v) and (not log or v > 0)]
     values = list(finite)
@@ -431,6 +432,27 @@ def line_chart(
             )
     out.append("</svg>")
     return "".join(out)
+
+
+def thin(
+    points: list[tuple[int, float | None]], limit: int = 1200
+) -> list[tuple[int, float | None]]:
+    """At most about ``limit`` points that keep the shape: each bucket's lowest and highest value,
+    and its first gap or non-finite value (so markers and breaks survive)."""
+    if len(points) <= limit:
+        return points
+    size = math.ceil(len(points) / (limit / 2))
+    keep: list[int] = []
+    for start in range(0, len(points), size):
+        idx = range(start, min(start + size, len(points)))
+        finite = [i for i in idx if points[i][1] is not None and math.isfinite(points[i][1])]
+        other = [i for i in idx if i not in finite]
+        chosen = set(other[:1])
+        if finite:
+            chosen.add(min(finite, key=lambda i: points[i][1]))
+            chosen.add(max(finite, key=lambda i: points[i][1]))
+        keep += sorted(chosen)
+    return [points[i] for i in keep]
 
 
 def _ytick(px0: float, px1: float, y: float, label: str) -> list[str]:

@@ -17,6 +17,7 @@ from ..formats import NumberFormat
 from ..trace import Failure, Finding, OpRecord, Recommendation, Trace
 from . import _svg
 from ._common import (
+    HiddenSteps,
     bad_samples_text,
     fmt_binades,
     fmt_compact,
@@ -25,6 +26,7 @@ from ._common import (
     fmt_pct,
     fmt_scale,
     fmt_value,
+    fold_steps,
     has_problem,
     module_rows,
     plural,
@@ -412,8 +414,14 @@ def _timeline(trace: Trace, fmt: NumberFormat) -> str:
 def _steps_table(trace: Trace) -> str:
     notes = scaler_notes(trace)
     fail = trace.first_failure.step if trace.first_failure else None
+    n = len(trace.steps)
+    items = fold_steps(trace, head=10, tail=10, notable=100, show_all=n <= 60)
     rows = []
-    for s in trace.steps:
+    for s in items:
+        if isinstance(s, HiddenSteps):
+            rows.append(f'<tr class="gap"><td class="num">…</td><td colspan="5">'
+                        f"{esc(s.describe())}</td></tr>")  # fmt: skip
+            continue
         cls = "culprit" if s.index == fail else ("bad" if s.nonfinite else "")
         note = []
         if s.index == fail:
@@ -436,9 +444,11 @@ def _steps_table(trace: Trace) -> str:
         '<th class="num">scale</th><th>skipped</th><th class="num">grad norm</th><th>note</th>'
         f"</tr></thead><tbody>{''.join(rows)}</tbody></table>"
     )
-    summary = f"All {len(trace.steps)} steps" if len(trace.steps) > 12 else "Steps"
-    open_ = "" if len(trace.steps) > 12 else " open"
-    return f'<details class="steps"{open_}><summary>{summary}</summary>{table}</details>'
+    if n <= 12:
+        return f'<details class="steps" open><summary>Steps</summary>{table}</details>'
+    shown = sum(not isinstance(s, HiddenSteps) for s in items)
+    summary = f"All {n} steps" if shown == n else f"{shown} of {n} steps (the rest are in the JSON)"
+    return f'<details class="steps"><summary>{esc(summary)}</summary>{table}</details>'
 
 
 def _histogram(ff: Failure, fmt: NumberFormat) -> str:
@@ -798,6 +808,7 @@ table.data .num{text-align:right;font-variant-numeric:tabular-nums;white-space:n
 table.data tr.culprit td{background:#fef2f2;font-weight:600}
 table.data tr.culprit td:first-child{box-shadow:inset 3px 0 0 var(--bad)}
 table.data tr.bad td{color:#991b1b}
+table.data tr.gap td{color:var(--muted);font-style:italic;background:#f8fafc}
 td.head.bad{color:var(--bad);font-weight:700}td.head.warn{color:var(--warn);font-weight:700}
 td.head.ok{color:var(--ok)}
 table.sortable th[data-sort]{cursor:pointer}

@@ -20,6 +20,7 @@ from rich.text import Text
 from ..formats import NumberFormat
 from ..trace import Failure, Finding, Recommendation, Trace
 from ._common import (
+    HiddenSteps,
     ModuleRow,
     bad_samples_text,
     first_line,
@@ -281,8 +282,8 @@ def _timeline(trace: Trace, show_all: bool) -> Table:
     table.add_column("grad norm", justify="right", no_wrap=True)
     table.add_column("note", overflow="fold", ratio=1)
     for item in fold_steps(trace, show_all=show_all):
-        if isinstance(item, int):
-            table.add_row("…", "", "", "", "", Text(f"{plural(item, 'step')} hidden", style="dim"))
+        if isinstance(item, HiddenSteps):
+            table.add_row("…", "", "", "", "", Text(item.describe(), style="dim"))
             continue
         s = item
         note = []
