@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from .files import atomic_write_bytes, atomic_write_text, write_reports
+from .files import atomic_write_bytes, atomic_write_text, render_text, write_reports
 from .html import render_html
 from .terminal import render_terminal
 
@@ -15,5 +15,6 @@ __all__ = [
     "atomic_write_text",
     "render_html",
     "render_terminal",
+    "render_text",
     "write_reports",
 ]

@@ -20,7 +20,13 @@ from ..trace import Trace
 from .html import render_html
 from .terminal import render_terminal
 
-__all__ = ["REPORT_FORMATS", "atomic_write_bytes", "atomic_write_text", "write_reports"]
+__all__ = [
+    "REPORT_FORMATS",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "render_text",
+    "write_reports",
+]
 
 #: Report formats and their file names inside the output folder.
 REPORT_FORMATS = {"json": "report.json", "html": "report.html", "txt": "report.txt"}

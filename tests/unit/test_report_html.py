@@ -387,3 +387,20 @@ def test_gradient_histograms_notes_and_bad_samples():
     assert "× loss scale 2¹⁶" in page
     assert "Samples with non-finite values: input[0]: 0, 1, 2, 3, 4, 5, 6, 7 (+12 more)" in page
     assert "RuntimeError: &lt;oops&gt;" in page
+
+
+def test_long_runs_stay_small():
+    trace = example_trace()
+    trace.steps = [
+        StepRecord(i, loss=2.0 + (i % 50) / 10, scale=2.0**14, skipped=i % 500 == 7, grad_norm=1.0)
+        for i in range(20_000)
+    ]
+    trace.steps[12_345].loss = math.nan
+    page = render_html(trace)
+    p = parse(page)
+    polylines = [a["points"] for t, a in p.tags if t == "polyline"]
+    assert all(len(pts.split()) <= 2_500 for pts in polylines)
+    assert p.with_class("g", "nonfinite-point")  # the one nan loss survives thinning
+    assert len([a for t, a in p.tags if t == "tr" and a.get("class") == "gap"]) > 0
+    assert "of 20000 steps (the rest are in the JSON)" in page
+    assert len(page) < 4_000_000  # the JSON island holds every step; the markup does not

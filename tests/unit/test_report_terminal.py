@@ -11,6 +11,7 @@ from rich.console import Console
 from nanhunt.formats import get_format
 from nanhunt.report import render_terminal
 from nanhunt.report._common import (
+    HiddenSteps,
     fmt_compact,
     fmt_num,
     fmt_pct,
@@ -390,3 +391,24 @@ def test_notes_and_bad_samples():
     assert "samples  input[0]: 3, 17" in text
     assert "Notes (limits of this report)" in text
     assert "• the op-level replay failed: RuntimeError: no snapshot" in text
+
+
+def test_timeline_caps_notable_steps():
+    steps = [StepRecord(i, loss=1.0, skipped=i % 10 == 5) for i in range(1000)]
+    steps[900].nonfinite = True
+    trace = Trace(steps=steps)
+    items = fold_steps(trace, notable=3)
+    shown = [s.index for s in items if isinstance(s, StepRecord)]
+    assert shown == [0, 1, 2, 5, 15, 900, 997, 998, 999]  # the non-finite step comes first
+    hidden = [h for h in items if isinstance(h, HiddenSteps)]
+    assert sum(h.count for h in hidden) == 1000 - len(shown)
+    assert sum(h.skipped for h in hidden) == 100 - 2
+    assert [h.describe() for h in hidden] == [
+        "2 steps hidden",
+        "9 steps hidden",
+        "884 steps hidden (88 skipped)",
+        "96 steps hidden (10 skipped)",
+    ]
+    lines = render(trace)
+    assert len(lines) < 80  # the default keeps 24 notable steps
+    assert any(line.strip().startswith("…") and "skipped)" in line for line in lines)

@@ -1,0 +1,1618 @@
+"""Diagnosis: small pure rules over a recorded :class:`~nanhunt.trace.Trace`. Torch-free.
+
+Every rule is a function registered with :func:`rule` under a stable id, with the kind it
+diagnoses, a one-line description (its docstring's first line) and the parts of the trace it
+needs. :data:`RULES` lists them in the order they run; docs/rules.md is the catalogue.
+
+:func:`diagnose` runs every rule and fills ``trace.diagnosis`` (the one finding with severity
+``"error"`` that explains the first failure, chosen by :data:`PRECEDENCE`) and ``trace.warnings``
+(ranked by score, worst first). Every number in a finding's evidence is read from the trace.
+
+>>> from nanhunt.trace import Trace
+>>> trace = Trace()
+>>> diagnose(trace)
+>>> trace.diagnosis is None, trace.warnings
+(True, [])
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .formats import FORMATS, NumberFormat, get_format
+from .trace import Failure, Finding, LayerStats, StepRecord, TensorStats, Trace
+
+__all__ = [
+    "KINDS",
+    "PRECEDENCE",
+    "RULES",
+    "Context",
+    "Rule",
+    "ScaleFractions",
+    "Thresholds",
+    "diagnose",
+    "eps_in_format",
+    "is_loss_type",
+    "is_norm_type",
+    "is_sentinel",
+    "module_pattern",
+    "rule",
+    "scale_fractions",
+]
+
+KINDS = (
+    "overflow",
+    "underflow",
+    "nan_op",
+    "bad_input",
+    "exploding_gradient",
+    "lr_too_high",
+    "loss_scale",
+)
+
+#: Which error explains the first failure when several rules fire, first match wins. Root causes
+#: upstream of an overflow (weights or gradients growing step over step) outrank the overflow
+#: they lead to; an invalid op (log(0)) is not explained by growth, so nan_op rules come first.
+PRECEDENCE = (
+    "bad-input",
+    "optimizer-update",
+    "optimizer-eps",
+    "scale-collapse",
+    "loss-nan-op",
+    "forward-nan-op",
+    "backward-nan-op",
+    "norm-underflow",
+    "weight-growth",
+    "exploding-gradient",
+    "forward-overflow",
+    "backward-overflow",
+)
+
+#: Score of the primary diagnosis; errors that lose to it are kept as warnings with this score.
+ERROR_SCORE = 10.0
+DEMOTED_SCORE = 8.0
+
+# aten ops (overload and namespace stripped) that make NaN/Inf from finite inputs at special
+# points (log(0), sqrt(-1), 1/0), and ops whose non-finite result from finite inputs can only be
+# an overflow (sums of products, exponentials)
+_NAN_OP_NAMES = """
+    log log2 log10 log1p sqrt rsqrt div true_divide reciprocal acos asin atanh acosh xlogy lgamma
+    digamma polygamma erfinv fmod remainder
+"""
+_OVERFLOW_OP_NAMES = """
+    mm addmm bmm baddbmm matmul linear einsum conv1d conv2d conv3d convolution _convolution
+    cudnn_convolution exp exp2 expm1 sinh cosh mul add sum cumsum square native_layer_norm
+    scaled_dot_product_attention _scaled_dot_product_flash_attention
+    _scaled_dot_product_efficient_attention linalg_vector_norm norm
+"""
+_NAN_OPS = frozenset(_NAN_OP_NAMES.split())
+_OVERFLOW_OPS = frozenset(_OVERFLOW_OP_NAMES.split())
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+
+def module_pattern(name: str) -> str:
+    """``encoder.blocks.3.ffn.wo`` -> ``encoder.blocks.*.ffn.wo`` (numbered parts become ``*``)."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def is_loss_type(type_name: str) -> bool:
+    """Whether a module class name looks like a loss (``CrossEntropyLoss``, ``NLLFromProbs``)."""
+    return any(word in type_name for word in ("Loss", "NLL", "CrossEntropy", "Criterion"))
+
+
+def is_norm_type(type_name: str) -> bool:
+    """Whether a module class name looks like a normalisation (``LayerNorm``, ``RMSNorm``)."""
+    return "Norm" in type_name
+
+
+def is_sentinel(value: float) -> bool:
+    """A magnitude equal to some format's max: ``finfo.min`` padding or masks, not a real value."""
+    return any(value == f.max for f in FORMATS.values())
+
+
+def eps_in_format(eps: float, fmt: NumberFormat) -> Literal["zero", "subnormal", "normal"]:
+    """What ``eps`` becomes when rounded to ``fmt`` (round to nearest, ties to even).
+
+    >>> fp16 = get_format("float16")
+    >>> eps_in_format(1e-8, fp16), eps_in_format(1e-5, fp16), eps_in_format(1e-4, fp16)
+    ('zero', 'subnormal', 'normal')
+    """
+    eps = abs(eps)
+    if eps >= fmt.smallest_normal:
+        return "normal"
+    steps = round(eps / fmt.smallest_subnormal)  # subnormals are multiples of the smallest one
+    if steps == 0:
+        return "zero"
+    return "normal" if steps * fmt.smallest_subnormal >= fmt.smallest_normal else "subnormal"
+
+
+@dataclass(frozen=True)
+class ScaleFractions:
+    """Where a gradient histogram's mass lands in a format after scaling by ``2**k``."""
+
+    k: int
+    total: int
+    overflow: float  # e + k above the max binade: inf
+    normal: float
+    subnormal: float  # fewer significant bits
+    flushed: float  # below the smallest subnormal: zero
+
+    @property
+    def lost(self) -> float:
+        """Subnormal plus flushed: the mass that lost precision or vanished."""
+        return self.subnormal + self.flushed
+
+
+def scale_fractions(hist: dict[int, int], fmt: NumberFormat, k: int) -> ScaleFractions:
+    """Fractions of ``hist`` (binade -> count) that overflow, stay normal, become subnormal or
+    flush to zero in ``fmt`` when every value is multiplied by ``2**k`` (DESIGN.md §3)."""
+    total = sum(c for c in hist.values() if c > 0)
+    over = normal = sub = flushed = 0
+    for e, c in hist.items():
+        if c <= 0:
+            continue
+        b = e + k
+        if b > fmt.max_binade:
+            over += c
+        elif b >= fmt.min_normal_binade:
+            normal += c
+        elif b >= fmt.min_subnormal_binade:
+            sub += c
+        else:
+            flushed += c
+    if not total:
+        return ScaleFractions(k, 0, 0.0, 0.0, 0.0, 0.0)
+    return ScaleFractions(k, total, over / total, normal / total, sub / total, flushed / total)
+
+
+def _n(x: float) -> str:
+    """A measured number for evidence text."""
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.3g}"
+
+
+def _pct(frac: float) -> str:
+    if frac <= 0:
+        return "0%"
+    if frac < 0.0001:
+        return "<0.01%"
+    return f"{100 * frac:.2g}%"
+
+
+def _counts(stats: TensorStats) -> str:
+    parts = [
+        f"{n} {label}"
+        for n, label in ((stats.nan, "NaN"), (stats.posinf, "+inf"), (stats.neginf, "-inf"))
+        if n
+    ]
+    return ", ".join(parts) or "no non-finite values"
+
+
+def _series(points: list[tuple[int, float]], limit: int = 6) -> str:
+    shown = points[-limit:]
+    return ", ".join(_n(v) for _, v in shown)
+
+
+def _span(points: list[tuple[int, float]]) -> str:
+    a, b = points[0][0], points[-1][0]
+    return f"step {a}" if a == b else f"steps {a}-{b}"
+
+
+def _finite_pos(v: float | None) -> bool:
+    return v is not None and v > 0 and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class Growth:
+    """Geometric growth of a positive series between two steps."""
+
+    first_step: int
+    last_step: int
+    first: float
+    last: float
+
+    @property
+    def steps(self) -> int:
+        return self.last_step - self.first_step
+
+    @property
+    def total(self) -> float:
+        return self.last / self.first
+
+    @property
+    def per_step(self) -> float:
+        return self.total ** (1 / self.steps) if self.steps > 0 else 1.0
+
+
+def _trend(points: list[tuple[int, float]]) -> tuple[str, float] | None:
+    """How a series grew: steadily (``about 4x a step``) or in its last step (``x4.3 at step 3``),
+    with the growth factor per step; None when it did not grow."""
+    pts = [(s, v) for s, v in points if _finite_pos(v)]
+    if len(pts) < 2:
+        return None
+    ratios = [b[1] / a[1] for a, b in itertools.pairwise(pts)]
+    g = _growth(pts)
+    if g is not None and g.steps > 0 and all(r >= 1.1 for r in ratios):
+        return f"about {g.per_step:.2g}x a step", g.per_step
+    if ratios[-1] >= 1.5:
+        return f"x{ratios[-1]:.2g} from step {pts[-2][0]} to {pts[-1][0]}", ratios[-1]
+    return None
+
+
+def _growth(points: list[tuple[int, float]], *, from_min: bool = False) -> Growth | None:
+    """Growth from the first point (or the smallest before the last) to the last one."""
+    pts = [(s, v) for s, v in points if _finite_pos(v)]
+    if len(pts) < 2:
+        return None
+    last = pts[-1]
+    start = min(pts[:-1], key=lambda p: p[1]) if from_min else pts[0]
+    return Growth(start[0], last[0], start[1], last[1])
+
+
+# ----------------------------------------------------------------------------- the context
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The numbers the rules judge by; docs/rules.md explains each."""
+
+    near_max: float = 2.0  # binades below the max that count as at risk of overflow
+    large: float = 4.0  # binades below the max that count as a large magnitude (inputs, weights)
+    weight_growth: float = 1.5  # largest |weight| growth per step, sustained over >= 2 steps
+    weight_jump: float = 4.0  # ... or in a single step
+    weight_floor: float = 1.0  # weights smaller than this are not "blowing up"
+    grad_growth: float = 10.0  # gradient-norm growth over the window
+    grad_spike: float = 10.0  # a gradient norm this many times the window's median
+    loss_spike: float = 5.0  # a loss this many times the window's median
+    window: int = 8  # steps looked back over
+    underflow: float = 0.5  # fraction of gradient values subnormal or flushed
+    flushed: float = 0.1  # fraction of gradient values flushed to zero
+    backoffs: int = 3  # GradScaler backoffs after warm-up not explained by a growth attempt
+    input_jump: float = 4.0  # first module's output amax jump (vs its median) with steady weights
+    max_warnings: int = 8
+
+
+#: GradScaler's default init_scale, 2**16 (DESIGN.md §3).
+DEFAULT_SCALE_BINADE = 16
+
+
+class Context:
+    """Thresholds plus derived views of one trace that several rules share."""
+
+    def __init__(self, trace: Trace, thresholds: Thresholds | None = None) -> None:
+        self.trace = trace
+        self.th = thresholds or Thresholds()
+        self.fmt = get_format(trace.run.target or "float16")
+        self.failure: Failure | None = trace.first_failure
+        self.layers: dict[str, LayerStats] = {layer.module: layer for layer in trace.layers}
+        self.order: dict[str, int] = {layer.module: i for i, layer in enumerate(trace.layers)}
+        self.steps: dict[int, StepRecord] = {s.index: s for s in trace.steps}
+        self.scaler = trace.run.scaler or any(s.scale is not None for s in trace.steps)
+        self._cache: dict[str, Any] = {}
+
+    # -- steps and scale -------------------------------------------------------------------
+
+    @property
+    def fail_step(self) -> int | None:
+        return self.failure.step if self.failure is not None else None
+
+    def before_failure(self, step: int) -> bool:
+        return self.fail_step is None or step < self.fail_step
+
+    def scale_at(self, step: int) -> float:
+        rec = self.steps.get(step)
+        s = rec.scale if rec is not None else None
+        return s if _finite_pos(s) else 1.0  # type: ignore[return-value]
+
+    def initial_scale(self) -> float | None:
+        for s in sorted(self.trace.steps, key=lambda s: s.index):
+            if _finite_pos(s.scale):
+                return s.scale
+        return None
+
+    def current_scale(self) -> float | None:
+        """The loss scale in effect after the last recorded step."""
+        scaled = [s for s in self.trace.steps if _finite_pos(s.scale)]
+        if not scaled:
+            return None
+        last = max(scaled, key=lambda s: s.index)
+        after = [e for e in self.trace.scaler_events if e.step == last.index]
+        return after[-1].scale_after if after else last.scale
+
+    def clean_steps(self) -> list[StepRecord]:
+        """Steps before the failure that were not skipped."""
+        return sorted(
+            (s for s in self.trace.steps if self.before_failure(s.index) and not s.skipped),
+            key=lambda s: s.index,
+        )
+
+    def grad_norms(self, *, include_failure: bool = True) -> list[tuple[int, float]]:
+        """Finite gradient norms of steps not skipped, up to the failure step."""
+        out = []
+        for s in sorted(self.trace.steps, key=lambda s: s.index):
+            if self.fail_step is not None and (
+                s.index > self.fail_step or (s.index == self.fail_step and not include_failure)
+            ):
+                continue
+            if not s.skipped and _finite_pos(s.grad_norm):
+                out.append((s.index, float(s.grad_norm)))  # type: ignore[arg-type]
+        return out
+
+    # -- layers ----------------------------------------------------------------------------
+
+    def format_of(self, dtype: str) -> NumberFormat:
+        """The format a value of ``dtype`` lives in (float64 judged as float32)."""
+        if dtype == "float64":
+            return FORMATS["float32"]
+        return FORMATS.get(dtype, self.fmt)
+
+    def layer(self, name: str) -> LayerStats | None:
+        return self.layers.get(name)
+
+    def is_descendant(self, name: str, of: str) -> bool:
+        return bool(of) and name.startswith(of + ".")
+
+    def predecessor(self, name: str, step: int) -> tuple[LayerStats, float] | None:
+        """The module that ran just before ``name`` (its input, for a sequential model) and its
+        forward amax at ``step``. Containers that pass a value through are looked through."""
+        idx = self.order.get(name)
+        layers = self.trace.layers
+        if idx is None:
+            idx = len(layers)  # the loss: the last module's output feeds it
+        i = idx - 1
+        while i >= 0 and self.is_descendant(layers[i].module, name):
+            i -= 1
+        if i < 0:
+            return None
+        amax = layers[i].forward_amax_by_step.get(step)
+        while i > 0 and amax is not None:
+            prev = layers[i - 1].forward_amax_by_step.get(step)
+            if prev != amax or self.is_descendant(layers[i - 1].module, name):
+                break
+            i -= 1
+        if amax is None:
+            return None
+        return layers[i], amax
+
+    def pre_points(
+        self, by_step: dict[int, float], *, scaled: bool = False
+    ) -> list[tuple[int, float]]:
+        """Positive finite values recorded before the failure, unscaled when ``scaled``."""
+        out = []
+        for step in sorted(by_step):
+            v = by_step[step]
+            if not self.before_failure(step) or not _finite_pos(v) or is_sentinel(v):
+                continue
+            out.append((step, v / self.scale_at(step) if scaled else v))
+        return out
+
+    def forward_peak(self, layer: LayerStats) -> tuple[int, float] | None:
+        """Largest forward amax before the failure (sentinels ignored); for a module that ran
+        before the culprit in the failing step, that step counts too."""
+        points = self.pre_points(layer.forward_amax_by_step)
+        f = self.failure
+        if f is not None and f.module in self.order and layer.module in self.order:
+            ran_before = self.order[layer.module] < self.order[f.module]
+            v = layer.forward_amax_by_step.get(f.step)
+            if ran_before and _finite_pos(v) and not is_sentinel(v):  # type: ignore[arg-type]
+                points.append((f.step, v))  # type: ignore[arg-type]
+        return max(points, key=lambda p: p[1]) if points else None
+
+    def backward_peak(self, layer: LayerStats) -> tuple[int, float] | None:
+        """Largest unscaled gradient amax (w.r.t. its outputs) before the failure."""
+        points = self.pre_points(layer.backward_amax_by_step, scaled=True)
+        return max(points, key=lambda p: p[1]) if points else None
+
+    def gradient_histogram(self) -> tuple[dict[int, int], str]:
+        """The unscaled gradient exponent histogram to judge: gradients stored in the target
+        format when there are any, else every gradient."""
+        hist = self.trace.grad_hist.get(self.fmt.name)
+        if hist:
+            return dict(hist), f"{self.fmt.name} gradients"
+        merged: dict[int, int] = {}
+        for h in self.trace.grad_hist.values():
+            for e, c in h.items():
+                merged[e] = merged.get(e, 0) + c
+        return merged, "all gradients"
+
+    def gradient_shift(self) -> tuple[int, str]:
+        """Binades the gradients are shifted by when stored: the loss scale in effect; for a run
+        whose gradients are not in a narrow target format and had no scaler, GradScaler's default
+        (the scale a user switching to that format would start from)."""
+        scale = self.current_scale()
+        if scale is not None:
+            k = round(math.log2(scale))
+            return k, f"at the current loss scale 2^{k}"
+        if self.fmt.name in self.trace.grad_hist or not _narrow(self.fmt):
+            return 0, "without a loss scale"
+        return DEFAULT_SCALE_BINADE, f"at GradScaler's default scale 2^{DEFAULT_SCALE_BINADE}"
+
+    def cached(self, key: str, make: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+
+def _narrow(fmt: NumberFormat) -> bool:
+    """A format whose exponent range needs loss scaling for gradients (float16, float8)."""
+    return fmt.exponent_bits <= 5
+
+
+# ----------------------------------------------------------------------------- the registry
+
+
+RuleFunc = Callable[[Trace, Context], Iterable[Finding]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    kind: str
+    needs: tuple[str, ...]
+    description: str
+    check: RuleFunc = field(repr=False)
+
+    def applicable(self, trace: Trace) -> bool:
+        return all(_HAS[need](trace) for need in self.needs)
+
+
+#: What a rule may need; a rule whose needs the trace lacks is not run.
+_HAS: dict[str, Callable[[Trace], bool]] = {
+    "first_failure": lambda t: t.first_failure is not None,
+    "layers": lambda t: bool(t.layers),
+    "steps": lambda t: bool(t.steps),
+    "grad_norm": lambda t: any(_finite_pos(s.grad_norm) for s in t.steps),
+    "loss": lambda t: any(s.loss is not None for s in t.steps),
+    "param_amax": lambda t: any(layer.param_amax_by_step for layer in t.layers),
+    "grad_hist": lambda t: any(t.grad_hist.values()),
+    "scaler": lambda t: t.run.scaler or any(s.scale is not None for s in t.steps),
+}
+
+RULES: list[Rule] = []
+
+
+def rule(*, id: str, kind: str, needs: tuple[str, ...] = ()) -> Callable[[RuleFunc], RuleFunc]:
+    """Register a rule. Its docstring's first line is its description in the catalogue."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}")
+    unknown = [n for n in needs if n not in _HAS]
+    if unknown:
+        raise ValueError(f"unknown needs {unknown}")
+
+    def register(func: RuleFunc) -> RuleFunc:
+        if any(r.id == id for r in RULES):
+            raise ValueError(f"duplicate rule id {id!r}")
+        description = (func.__doc__ or "").strip().splitlines()[0] if func.__doc__ else ""
+        RULES.append(Rule(id, kind, tuple(needs), description, func))
+        return func
+
+    return register
+
+
+def _finding(severity: str, message: str, evidence: list[str], **kw: Any) -> Finding:
+    """A finding whose rule and kind the runner fills in from the rule that made it."""
+    return Finding(
+        rule="",
+        kind=kw.pop("kind", ""),
+        severity=severity,
+        message=message,
+        evidence=evidence,
+        **kw,
+    )
+
+
+# ----------------------------------------------------------------------------- classification
+# Forward, backward and optimizer failures each have several explanations; one classifier per
+# phase decides, and each rule reports the class it owns.
+
+
+@dataclass
+class _Class:
+    name: str  # overflow | nan_op | loss_nan_op | norm_underflow | lr | eps
+    fmt: NumberFormat  # the format the failing value lives in
+    evidence: list[str]
+    data: dict[str, Any]
+
+
+def _op(ctx: Context) -> str | None:
+    f = ctx.failure
+    op = f.op if f is not None else None
+    if not op:
+        op = next((o.op for o in ctx.trace.ops if o.first_nonfinite), None)
+    if not op:
+        return None
+    op = op.replace("::", ".").split(".")
+    op = [p for p in op if p not in ("aten", "prims", "default", "Tensor", "Scalar", "out")]
+    return op[0] if op else None
+
+
+def _op_input_amax(ctx: Context) -> float | None:
+    """Largest finite result of the replayed ops before the first non-finite one."""
+    vals = []
+    for o in ctx.trace.ops:
+        if o.first_nonfinite:
+            break
+        if _finite_pos(o.amax):
+            vals.append(o.amax)
+    return max(vals) if vals else None
+
+
+def _where(f: Failure) -> str:
+    """``fc's output``; a parameter's name already says whose it is."""
+    if not f.module or f.tensor.startswith(f.module + "."):
+        return f.tensor
+    return f"{f.module}'s {f.tensor}"
+
+
+def _of(numel: int) -> str:
+    return "1 value" if numel == 1 else f"{numel} values"
+
+
+def _describe_failure(f: Failure, fmt: NumberFormat) -> str:
+    s = f.stats
+    text = f"step {f.step}: {_where(f)} ({s.dtype}) held {_counts(s)} of {_of(s.numel)}"
+    if s.amax > 0:
+        text += f"; its finite values reach {_n(s.amax)} ({fmt.name} max {fmt.max:g})"
+    return text
+
+
+def _forward_class(ctx: Context) -> _Class:
+    return ctx.cached("forward", lambda: _classify_forward(ctx))
+
+
+def _classify_forward(ctx: Context) -> _Class:
+    f = ctx.failure
+    assert f is not None
+    th = ctx.th
+    s = f.stats
+    fmt = ctx.format_of(s.dtype)
+    layer = ctx.layer(f.module)
+    type_name = layer.type if layer is not None else ""
+    is_loss = f.tensor == "loss" or is_loss_type(type_name)
+    op = _op(ctx)
+    evidence = [_describe_failure(f, fmt)]
+    data: dict[str, Any] = {
+        "dtype": s.dtype,
+        "op": op,
+        "nonfinite": s.nonfinite,
+        "numel": s.numel,
+        "nan": s.nan,
+        "inf": s.posinf + s.neginf,
+    }
+    large: list[str] = []  # which magnitudes were large
+
+    def near(v: float) -> bool:
+        return _finite_pos(v) and not is_sentinel(v) and fmt.headroom_binades(v) < th.near_max
+
+    def big(v: float) -> bool:
+        return _finite_pos(v) and not is_sentinel(v) and fmt.headroom_binades(v) < th.large
+
+    if near(s.amax):
+        large.append("output")
+    if layer is not None:
+        points = ctx.pre_points(layer.forward_amax_by_step)
+        at_fail = layer.forward_amax_by_step.get(f.step)
+        series = points + ([(f.step, at_fail)] if _finite_pos(at_fail) else [])
+        if series and not is_loss:
+            text = f"{f.tensor} amax by step ({_span(series)}): {_series(series)}"
+            trend = _trend(series)
+            if trend:
+                text += f"; {trend[0]}"
+                data["growth_per_step"] = trend[1]
+            evidence.append(text)
+        if points:
+            step, peak = max(points, key=lambda p: p[1])
+            h = fmt.headroom_binades(peak)
+            data["peak_before"], data["headroom_before"] = peak, h
+            if near(peak):
+                large.append("history")
+                evidence.append(
+                    f"before step {f.step} it peaked at {_n(peak)} (step {step}): "
+                    f"{h:.1f} binades below {fmt.name}'s max"
+                )
+        wmax = max((v for st, v in ctx.pre_points(layer.param_amax_by_step)), default=None)
+        if wmax is not None and big(wmax):
+            large.append("weights")
+            evidence.append(f"its largest |weight| reached {_n(wmax)} before step {f.step}")
+    pred = ctx.predecessor(f.module, f.step)
+    in_amax = _op_input_amax(ctx)
+    if pred is not None:
+        p_layer, p_amax = pred
+        data["input_module"], data["input_amax"] = p_layer.module, p_amax
+        if math.isfinite(p_amax):
+            text = (
+                f"its input from {p_layer.module} ({p_layer.type}) was finite with amax "
+                f"{_n(p_amax)} at step {f.step}"
+            )
+            before = [v for _, v in ctx.pre_points(p_layer.forward_amax_by_step)]
+            if before and statistics.median(before) > 0:
+                jump = p_amax / statistics.median(before)
+                if jump >= 2:
+                    text += f" ({jump:.2g}x its median before)"
+            evidence.append(text)
+            if big(p_amax):
+                large.append("input")
+    if in_amax is not None and big(in_amax):
+        large.append("op input")
+        evidence.append(f"the replay's ops before the first non-finite one reach {_n(in_amax)}")
+    if op:
+        src = f" at {f.source}" if f.source else ""
+        evidence.append(f"the replay names aten.{op}{src} as the op that made it")
+    data["large"] = large
+
+    strong = any(x in large for x in ("output", "input", "op input"))
+    if op in _NAN_OPS:
+        name = "overflow" if strong else "nan_op"
+    elif op in _OVERFLOW_OPS:
+        name = "overflow"
+    else:
+        name = "overflow" if large else "nan_op"
+    if name == "nan_op" and is_loss:
+        name = "loss_nan_op"
+        losses = [
+            (st.index, st.loss)
+            for st in ctx.clean_steps()
+            if st.loss is not None and math.isfinite(st.loss)
+        ]
+        if losses:
+            evidence.append(
+                f"loss by step ({_span(losses)}): {_series(losses)}, then "
+                f"{_n(_failure_loss(ctx))} at step {f.step}"
+            )
+        if pred is not None:
+            p_layer, p_amax = pred
+            pf = p_layer.forward
+            if p_amax <= 1 and pf is not None and (pf.zero or pf.underflow):
+                evidence.append(
+                    f"{p_layer.module}'s output looks like probabilities (amax {_n(p_amax)}) and "
+                    f"held {pf.zero} exact zeros and {pf.underflow} values below "
+                    f"{ctx.fmt.name}'s smallest normal over the recorded steps: log(0) = -inf"
+                )
+                data["probabilities"] = True
+    elif name == "nan_op" and is_norm_type(type_name) and _narrow(fmt) and pred is not None:
+        p_layer, p_amax = pred
+        if p_amax * p_amax < fmt.smallest_normal:
+            name = "norm_underflow"
+            evidence.append(
+                f"its input amax {_n(p_amax)} squares to {_n(p_amax * p_amax)}, below "
+                f"{fmt.name}'s smallest normal {fmt.smallest_normal:.3g}: the variance underflows "
+                "and rsqrt(variance + eps) is inf when eps is 0 or subnormal"
+            )
+    return _Class(name, fmt, evidence, data)
+
+
+def _failure_loss(ctx: Context) -> float:
+    f = ctx.failure
+    rec = ctx.steps.get(f.step) if f is not None else None
+    if rec is not None and rec.loss is not None:
+        return rec.loss
+    return math.nan
+
+
+def _backward_class(ctx: Context) -> _Class:
+    return ctx.cached("backward", lambda: _classify_backward(ctx))
+
+
+def _classify_backward(ctx: Context) -> _Class:
+    f = ctx.failure
+    assert f is not None
+    th = ctx.th
+    s = f.stats
+    fmt = ctx.format_of(s.dtype)
+    scale = ctx.scale_at(f.step)
+    layer = ctx.layer(f.module)
+    op = _op(ctx)
+    evidence = [_describe_failure(f, fmt)]
+    if ctx.scaler:
+        evidence.append(f"observed at loss scale {scale:g}")
+    data: dict[str, Any] = {"dtype": s.dtype, "op": op, "scale": scale}
+    large: list[str] = []
+
+    def near(v: float) -> bool:  # observed (scaled) values: what is stored in fmt
+        return _finite_pos(v) and fmt.headroom_binades(v) < th.near_max
+
+    if near(s.amax):
+        large.append("gradient")
+    if layer is not None:
+        observed = [(st, v) for st, v in ctx.pre_points(layer.backward_amax_by_step)]
+        unscaled = ctx.pre_points(layer.backward_amax_by_step, scaled=True)
+        if unscaled:
+            label = "unscaled gradient" if ctx.scaler else "gradient"
+            text = f"{label} amax by step ({_span(unscaled)}): {_series(unscaled)}"
+            trend = _trend(unscaled)
+            if trend:
+                text += f"; {trend[0]}"
+                data["growth_per_step"] = trend[1]
+            evidence.append(text)
+        if observed:
+            step, peak = max(observed, key=lambda p: p[1])
+            data["peak_before"] = peak
+            if near(peak):
+                large.append("history")
+                evidence.append(
+                    f"before step {f.step} its gradient reached {_n(peak)} as stored (step "
+                    f"{step}): {fmt.headroom_binades(peak):.1f} binades below {fmt.name}'s max"
+                )
+        pg = layer.param_grad
+        if f.tensor.endswith(".grad") and pg is not None and near(pg.amax):
+            large.append("param_grad")
+            evidence.append(f"its parameter gradients reached {_n(pg.amax)} as stored")
+        if layer.forward is not None and layer.forward.zero and not large:
+            evidence.append(
+                f"its forward outputs held {layer.forward.zero} exact zeros over the recorded "
+                "steps: derivatives such as sqrt's are infinite at 0"
+            )
+    if op:
+        evidence.append(f"the replay names aten.{op} as the op that made it")
+    data["large"] = large
+    if op in _OVERFLOW_OPS:
+        name = "overflow"
+    elif op in _NAN_OPS:
+        name = "overflow" if "gradient" in large else "nan_op"
+    else:
+        name = "overflow" if large else "nan_op"
+    return _Class(name, fmt, evidence, data)
+
+
+def _optimizer_class(ctx: Context) -> _Class:
+    return ctx.cached("optimizer", lambda: _classify_optimizer(ctx))
+
+
+def _classify_optimizer(ctx: Context) -> _Class:
+    f = ctx.failure
+    assert f is not None
+    th = ctx.th
+    s = f.stats
+    fmt = ctx.format_of(s.dtype)
+    layer = ctx.layer(f.module)
+    evidence = [_describe_failure(f, fmt) + " right after the optimizer step"]
+    data: dict[str, Any] = {"dtype": s.dtype}
+    grew = False
+    if layer is not None:
+        points = [
+            (st, v)
+            for st, v in sorted(layer.param_amax_by_step.items())
+            if st <= f.step and _finite_pos(v)
+        ]
+        g = _growth(points[-th.window :])
+        if g is not None:
+            data["growth_per_step"] = g.per_step
+            grew = _is_weight_growth(g, th)
+            evidence.append(
+                f"{f.module}'s largest |weight| by step ({_span(points[-th.window :])}): "
+                f"{_series(points)}; about {g.per_step:.3g}x a step"
+            )
+    norms = ctx.grad_norms()
+    if norms:
+        evidence.append(f"gradient norm by step ({_span(norms[-6:])}): {_series(norms)}")
+    has_inf = bool(s.posinf or s.neginf)
+    pg = layer.param_grad if layer is not None else None
+    tiny = pg is not None and pg.underflow_fraction >= th.underflow
+    if grew:
+        name = "lr"
+    elif _narrow(fmt) and (not has_inf or tiny):
+        name = "eps"
+        evidence.append(
+            f"{f.tensor} is {fmt.name} and its weights did not grow: an update that is "
+            "NaN from finite weights and gradients points at a zero denominator, such as "
+            f"Adam's sqrt(v) + eps with eps={_ADAM_EPS:g} ({eps_in_format(_ADAM_EPS, fmt)} in "
+            f"{fmt.name})"
+        )
+        if pg is not None and pg.finite_nonzero:
+            evidence.append(
+                f"{_pct(pg.underflow_fraction)} of {f.module}'s parameter gradients were below "
+                f"{fmt.name}'s smallest normal ({fmt.smallest_normal:.3g})"
+            )
+    else:
+        name = "lr"
+    return _Class(name, fmt, evidence, data)
+
+
+#: torch.optim.Adam's default eps.
+_ADAM_EPS = 1e-8
+
+
+def _is_weight_growth(g: Growth, th: Thresholds) -> bool:
+    if g.last < th.weight_floor:
+        return False
+    if g.steps >= 2:
+        return g.per_step >= th.weight_growth
+    return g.steps == 1 and g.per_step >= th.weight_jump
+
+
+# ----------------------------------------------------------------------------- error rules
+
+
+@rule(id="bad-input", kind="bad_input", needs=("first_failure",))
+def bad_input(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """The batch itself carried NaN/Inf: the first non-finite value is an input no module made."""
+    f = ctx.failure
+    if f is None or f.phase != "data":
+        return
+    s = f.stats
+    evidence = [f"step {f.step}: {f.tensor} of {f.module} held {_counts(s)} of {s.numel} values"]
+    if s.amax > 0:
+        evidence.append(
+            f"its finite values reach {_n(s.amax)} "
+            f"({ctx.fmt.headroom_binades(s.amax):.1f} binades below {ctx.fmt.name}'s max)"
+        )
+    for path, idx in f.bad_samples.items():
+        shown = ", ".join(str(i) for i in idx[:10]) + (" ..." if len(idx) > 10 else "")
+        evidence.append(
+            f"{path}: {len(idx)} samples with non-finite values, batch positions {shown}"
+        )
+    yield _finding(
+        "error",
+        f"the batch at step {f.step} carried non-finite values into {f.module} ({f.tensor}); "
+        "no computation made them",
+        evidence,
+        phase="data",
+        step=f.step,
+        module=f.module,
+        tensor=f.tensor,
+        data={
+            "nan": s.nan,
+            "posinf": s.posinf,
+            "neginf": s.neginf,
+            "numel": s.numel,
+            "amax": s.amax,
+            "samples": {k: list(v) for k, v in f.bad_samples.items()},
+        },
+    )
+
+
+def _forward_error(ctx: Context, wanted: str, message: str) -> Iterator[Finding]:
+    f = ctx.failure
+    if f is None or f.phase != "forward":
+        return
+    c = _forward_class(ctx)
+    if c.name != wanted:
+        return
+    yield _finding(
+        "error",
+        message.format(f=f, fmt=c.fmt, who=f.module or "the loss"),
+        list(c.evidence),
+        phase=f.phase,
+        step=f.step,
+        module=f.module or None,
+        tensor=f.tensor,
+        data=dict(c.data),
+    )
+
+
+@rule(id="forward-overflow", kind="overflow", needs=("first_failure",))
+def forward_overflow(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """A finite forward computation exceeded its format's max (large inputs, outputs or weights)."""
+    scaler = " GradScaler cannot help: it only scales gradients." if ctx.scaler else ""
+    yield from _forward_error(
+        ctx,
+        "overflow",
+        "{who}'s {f.tensor} exceeds {fmt.name}'s max ({fmt.max:g}) in the forward pass at step "
+        "{f.step}." + scaler,
+    )
+
+
+@rule(id="forward-nan-op", kind="nan_op", needs=("first_failure",))
+def forward_nan_op(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """A forward op made NaN/Inf from small finite inputs: log(0), sqrt(x<0), 0/0, not overflow."""
+    yield from _forward_error(
+        ctx,
+        "nan_op",
+        "{who} made non-finite values from finite inputs of modest size at step {f.step}: an "
+        "invalid operation (log(0), sqrt of a negative, 0/0), not an overflow",
+    )
+
+
+@rule(id="loss-nan-op", kind="nan_op", needs=("first_failure",))
+def loss_nan_op(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """The loss became non-finite from finite, small inputs (log of a probability that is 0)."""
+    yield from _forward_error(
+        ctx,
+        "loss_nan_op",
+        "the loss ({who}) became non-finite at step {f.step} from finite inputs of modest size: "
+        "an invalid operation in the loss, such as log of a probability that is 0",
+    )
+
+
+@rule(id="norm-underflow", kind="underflow", needs=("first_failure", "layers"))
+def norm_underflow(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """A normalisation made NaN/Inf because its inputs' variance underflowed the format."""
+    yield from _forward_error(
+        ctx,
+        "norm_underflow",
+        "{who} made non-finite values at step {f.step}: its inputs are so small that their "
+        "variance underflows {fmt.name}, and the normalisation divides by (nearly) zero",
+    )
+
+
+def _backward_error(ctx: Context, wanted: str, message: str) -> Iterator[Finding]:
+    f = ctx.failure
+    if f is None or f.phase != "backward":
+        return
+    c = _backward_class(ctx)
+    if c.name != wanted:
+        return
+    yield _finding(
+        "error",
+        message.format(f=f, fmt=c.fmt),
+        list(c.evidence),
+        phase=f.phase,
+        step=f.step,
+        module=f.module or None,
+        tensor=f.tensor,
+        data=dict(c.data),
+    )
+
+
+@rule(id="backward-overflow", kind="overflow", needs=("first_failure",))
+def backward_overflow(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """A gradient exceeded its format's max in backward, after approaching it in earlier steps."""
+    yield from _backward_error(
+        ctx,
+        "overflow",
+        "the gradient {f.tensor} of {f.module} exceeds {fmt.name}'s max ({fmt.max:g}) in the "
+        "backward pass at step {f.step}",
+    )
+
+
+@rule(id="backward-nan-op", kind="nan_op", needs=("first_failure",))
+def backward_nan_op(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """A backward op made NaN/Inf from small gradients: a derivative infinite at its input."""
+    yield from _backward_error(
+        ctx,
+        "nan_op",
+        "the gradient {f.tensor} of {f.module} became non-finite at step {f.step} while "
+        "gradients were small: an op whose derivative is infinite at its input (sqrt at 0, "
+        "a fractional power of 0, the norm of a zero vector)",
+    )
+
+
+@rule(id="optimizer-update", kind="lr_too_high", needs=("first_failure",))
+def optimizer_update(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """The optimizer step itself drove weights to Inf/NaN: the update is too large."""
+    f = ctx.failure
+    if f is None or f.phase != "optimizer" or _optimizer_class(ctx).name != "lr":
+        return
+    c = _optimizer_class(ctx)
+    yield _finding(
+        "error",
+        f"the optimizer step at step {f.step} made {f.tensor} non-finite: the update is larger "
+        f"than {c.fmt.name} can hold, so the learning rate is too high for these gradients",
+        list(c.evidence),
+        phase="optimizer",
+        step=f.step,
+        module=f.module or None,
+        tensor=f.tensor,
+        data=dict(c.data),
+    )
+
+
+@rule(id="optimizer-eps", kind="underflow", needs=("first_failure",))
+def optimizer_eps(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """Low-precision weights turned NaN in an update without growing: an eps that is 0 there."""
+    f = ctx.failure
+    if f is None or f.phase != "optimizer" or _optimizer_class(ctx).name != "eps":
+        return
+    c = _optimizer_class(ctx)
+    yield _finding(
+        "error",
+        f"the optimizer step at step {f.step} made {f.tensor} NaN without its weights growing: "
+        f"a denominator underflowed to 0 in {c.fmt.name} (an optimizer eps that is 0 there)",
+        list(c.evidence),
+        phase="optimizer",
+        step=f.step,
+        module=f.module or None,
+        tensor=f.tensor,
+        data=dict(c.data),
+    )
+
+
+@rule(id="scale-collapse", kind="loss_scale", needs=("first_failure", "steps"))
+def scale_collapse(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """GradScaler skipped step after step until the scale collapsed: the gradient is non-finite
+    at any scale."""
+    f = ctx.failure
+    if f is None or f.phase != "loss_scaling":
+        return
+    streak = []
+    for s in sorted(trace.steps, key=lambda s: s.index):
+        if s.index < f.step:
+            continue
+        if not s.skipped:
+            break
+        streak.append(s)
+    first = ctx.scale_at(f.step) if ctx.steps.get(f.step) else None
+    events = [e for e in trace.scaler_events if e.event == "backoff" and e.step >= f.step]
+    last = events[-1].scale_after if events else (streak[-1].scale if streak else None)
+    n = len(streak)
+    s = f.stats
+    evidence = []
+    if first is not None and last is not None:
+        evidence.append(
+            f"GradScaler skipped {n} steps in a row from step {f.step} and lowered "
+            f"the scale from {first:g} to {last:g}"
+        )
+    evidence.append(f"step {f.step}: {_where(f)} ({s.dtype}) held {_counts(s)} of {_of(s.numel)}")
+    if streak and streak[-1].scale is not None:
+        evidence.append(
+            f"at step {streak[-1].index}, at scale {streak[-1].scale:g}, the "
+            "gradients were still non-finite: the value does not depend on the scale"
+        )
+    layer = ctx.layer(f.module)
+    cause = "an invalid op in backward (0 * inf, the derivative of sqrt at 0)"
+    if layer is not None:
+        peak = ctx.backward_peak(layer)
+        if peak is not None:
+            h = ctx.fmt.headroom_binades(peak[1])
+            evidence.append(
+                f"{f.module}'s unscaled gradient peaked at {_n(peak[1])} before "
+                f"(step {peak[0]}): {h:.1f} binades below {ctx.fmt.name}'s max"
+            )
+            if h < ctx.th.near_max:
+                cause = "unscaled gradients that exceed the max"
+    if s.nan and not (s.posinf or s.neginf):
+        cause = "NaN made in backward (0 * inf, the derivative of sqrt at 0)"
+    yield _finding(
+        "error",
+        f"the loss scale collapsed: GradScaler skipped {n} steps in a row while the gradient of "
+        f"{f.module or 'the loss'} stayed non-finite; the cause is {cause}, not the scale",
+        evidence,
+        phase="loss_scaling",
+        step=f.step,
+        module=f.module or None,
+        tensor=f.tensor,
+        data={"skipped": n, "scale_from": first, "scale_to": last},
+    )
+
+
+# ----------------------------------------------------------------------------- growth rules
+# These are errors when a failure follows the growth, warnings when the run is still finite.
+
+
+def _weight_growth(ctx: Context) -> tuple[LayerStats, Growth, list[tuple[int, float]]] | None:
+    th = ctx.th
+    best = None
+    for layer in ctx.trace.layers:
+        points = ctx.pre_points(layer.param_amax_by_step)[-th.window :]
+        g = _growth(points)
+        if g is None or not _is_weight_growth(g, th):
+            continue
+        if best is None or g.per_step > best[1].per_step:
+            best = (layer, g, points)
+    return best
+
+
+@rule(id="weight-growth", kind="lr_too_high", needs=("param_amax",))
+def weight_growth(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """Weights grew fast step over step (largest |weight| per step) before any failure."""
+    f = ctx.failure
+    if f is not None and f.phase in ("data", "optimizer"):
+        return
+    found = _weight_growth(ctx)
+    if found is None:
+        return
+    layer, g, points = found
+    evidence = [
+        f"{layer.module}'s largest |weight| by step ({_span(points)}): {_series(points)}; "
+        f"about {g.per_step:.3g}x a step"
+    ]
+    norms = ctx.grad_norms(include_failure=False)
+    if norms:
+        evidence.append(f"gradient norm by step ({_span(norms[-6:])}): {_series(norms)}")
+    severity = "error" if f is not None else "warning"
+    then = f" before the failure at step {f.step}" if f is not None else ""
+    yield _finding(
+        severity,
+        f"{layer.module}'s weights grew about {g.per_step:.3g}x a step over {_span(points)}"
+        f"{then}: the learning rate is too high for them",
+        evidence,
+        step=g.last_step,
+        module=layer.module,
+        score=6.0,
+        data={"growth_per_step": g.per_step, "from": g.first, "to": g.last},
+    )
+
+
+def _grad_explosion(ctx: Context) -> tuple[str, list[tuple[int, float]], float] | None:
+    """("growth" | "spike", the norms judged, the factor) or None."""
+    th = ctx.th
+    norms = ctx.grad_norms()
+    if len(norms) < 3:
+        return None
+    window = norms[-th.window :]
+    g = _growth(window, from_min=True)
+    rises = sum(b[1] > a[1] for a, b in itertools.pairwise(window))
+    if (
+        g is not None
+        and g.steps >= 2
+        and g.total >= th.grad_growth
+        and rises * 3 >= 2 * (len(window) - 1)
+    ):
+        return "growth", window, g.per_step
+    for i in range(len(norms) - 1, 2, -1):
+        prev = [v for _, v in norms[max(0, i - th.window) : i]]
+        med = statistics.median(prev)
+        if med > 0 and norms[i][1] >= th.grad_spike * med:
+            return "spike", norms[max(0, i - th.window) : i + 1], norms[i][1] / med
+    return None
+
+
+@rule(id="exploding-gradient", kind="exploding_gradient", needs=("grad_norm",))
+def exploding_gradient(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """Gradient norms grew step over step (or spiked far above their median)."""
+    found = _grad_explosion(ctx)
+    if found is None:
+        return
+    how, points, factor = found
+    f = ctx.failure
+    if how == "growth":
+        g = _growth(points, from_min=True)
+        assert g is not None
+        message = (
+            f"the gradient norm grew {g.total:.3g}x from {_n(g.first)} (step "
+            f"{g.first_step}) to {_n(g.last)} (step {g.last_step}), about "
+            f"{g.per_step:.3g}x a step"
+        )
+        data = {"growth_per_step": g.per_step, "total": g.total, "from_step": g.first_step}
+        evidence = [f"gradient norm by step ({_span(points)}): {_series(points, 8)}"]
+    else:
+        step, value = points[-1]
+        prev = [v for _, v in points[:-1]]
+        message = (
+            f"the gradient norm spiked to {_n(value)} at step {step}, {factor:.3g}x the "
+            f"median ({_n(statistics.median(prev))}) of the {len(prev)} steps before"
+        )
+        data = {"spike": factor, "from_step": step}
+        evidence = [f"gradient norm by step ({_span(points)}): {_series(points, 8)}"]
+    if f is not None:
+        message += f", before the failure at step {f.step}"
+    yield _finding(
+        "error" if f is not None and f.phase != "data" else "warning",
+        message,
+        evidence,
+        step=points[-1][0],
+        score=6.0,
+        data=data,
+    )
+
+
+# ----------------------------------------------------------------------------- warning rules
+
+
+@dataclass
+class _Risk:
+    layer: LayerStats
+    step: int
+    amax: float  # unscaled
+    headroom: float
+
+
+def _at_risk_forward(ctx: Context) -> list[_Risk]:
+    risks = []
+    for layer in ctx.trace.layers:
+        peak = ctx.forward_peak(layer)
+        if peak is None:
+            continue
+        h = ctx.fmt.headroom_binades(peak[1])
+        if h < ctx.th.near_max:
+            risks.append(_Risk(layer, peak[0], peak[1], h))
+    return risks
+
+
+def _at_risk_backward(ctx: Context) -> list[_Risk]:
+    risks = []
+    for layer in ctx.trace.layers:
+        peak = ctx.backward_peak(layer)
+        if peak is None:
+            continue
+        h = ctx.fmt.headroom_binades(peak[1])
+        if h < ctx.th.near_max:
+            risks.append(_Risk(layer, peak[0], peak[1], h))
+    return risks
+
+
+def _innermost(ctx: Context, risks: list[_Risk], by_step: str) -> list[_Risk]:
+    """Drop the failure's module and containers that only pass an at-risk value through."""
+    f = ctx.failure
+    culprit = ctx.layer(f.module) if f is not None and f.module else None
+    kept: list[_Risk] = []
+    seen_series: list[dict[int, float]] = []
+    if culprit is not None:
+        seen_series.append(getattr(culprit, by_step))
+    for r in sorted(risks, key=lambda r: ctx.order.get(r.layer.module, 0)):
+        name = r.layer.module
+        if f is not None and f.module and (name == f.module or ctx.is_descendant(f.module, name)):
+            continue
+        if any(ctx.is_descendant(o.layer.module, name) for o in risks):
+            continue
+        series = getattr(r.layer, by_step)
+        if any(series == s for s in seen_series):
+            continue
+        seen_series.append(series)
+        if kept and _passes_through(ctx, kept[-1], r):
+            continue
+        kept.append(r)
+    return kept
+
+
+def _passes_through(ctx: Context, prev: _Risk, r: _Risk) -> bool:
+    """A parameter-free module right after an at-risk one that does not raise its magnitude
+    (an activation, dropout): the same risk, reported once."""
+    adjacent = ctx.order.get(r.layer.module, -1) - ctx.order.get(prev.layer.module, -9) == 1
+    no_params = not r.layer.param_amax_by_step and r.layer.param_grad is None
+    return adjacent and no_params and r.amax <= prev.amax
+
+
+def _group_risks(
+    ctx: Context, risks: list[_Risk], *, what: str, wider: Callable[[LayerStats], bool]
+) -> Iterator[Finding]:
+    """One finding per module, or per class pattern where several siblings are at risk."""
+    groups: dict[tuple[str, str], list[_Risk]] = {}
+    for r in risks:
+        groups.setdefault((r.layer.type, module_pattern(r.layer.module)), []).append(r)
+    fmt = ctx.fmt
+    for (type_name, pattern), members in groups.items():
+        members.sort(key=lambda r: r.headroom)
+        worst = members[0]
+        score = min(9.0, 5.0 + 2.0 * (ctx.th.near_max - worst.headroom))
+        if wider(worst.layer):
+            score -= 1.0
+        if worst.headroom < 0:
+            verdict = f"exceeds {fmt.name}'s max ({fmt.max:g})"
+        else:
+            verdict = f"is {worst.headroom:.1f} binades below {fmt.name}'s max ({fmt.max:g})"
+        evidence = [
+            f"{r.layer.module}: {what} amax {_n(r.amax)} at step {r.step} "
+            f"({r.headroom:.1f} binades of headroom)"
+            for r in members[:3]
+        ]
+        if len(members) > 1:
+            total = sum(
+                1
+                for layer in ctx.trace.layers
+                if layer.type == type_name and module_pattern(layer.module) == pattern
+            )
+            message = (
+                f"{len(members)} of {total} {type_name} modules matching {pattern}: "
+                f"{what} amax {verdict} at worst"
+            )
+            module = pattern
+        else:
+            message = f"{worst.layer.module} ({type_name}): {what} amax {_n(worst.amax)} {verdict}"
+            module = worst.layer.module
+        if wider(worst.layer):
+            evidence.append(
+                f"recorded in {', '.join(worst.layer.dtypes)}: it would overflow if "
+                f"run in {fmt.name}"
+            )
+        yield _finding(
+            "warning",
+            message,
+            evidence,
+            module=module,
+            step=worst.step,
+            score=score,
+            data={
+                "headroom": worst.headroom,
+                "amax": worst.amax,
+                "modules": [r.layer.module for r in members],
+            },
+        )
+
+
+def _wider_than_target(ctx: Context) -> Callable[[LayerStats], bool]:
+    """Whether a module ran in a wider format than the target while the run used the target."""
+    used_target = ctx.fmt.name in ctx.trace.run.dtypes
+
+    def wider(layer: LayerStats) -> bool:
+        return used_target and bool(layer.dtypes) and ctx.fmt.name not in layer.dtypes
+
+    return wider
+
+
+@rule(id="near-overflow-forward", kind="overflow", needs=("layers",))
+def near_overflow_forward(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """Modules whose forward amax came within two binades of the target max (sentinels ignored)."""
+    risks = _innermost(ctx, _at_risk_forward(ctx), "forward_amax_by_step")
+    for finding in _group_risks(ctx, risks, what="forward", wider=_wider_than_target(ctx)):
+        finding.phase = "forward"
+        yield finding
+
+
+@rule(id="near-overflow-backward", kind="overflow", needs=("layers",))
+def near_overflow_backward(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """Modules whose unscaled gradient amax came within two binades of the target max."""
+    risks = _innermost(ctx, _at_risk_backward(ctx), "backward_amax_by_step")
+    what = "unscaled gradient" if ctx.scaler else "gradient"
+    for finding in _group_risks(ctx, risks, what=what, wider=_wider_than_target(ctx)):
+        finding.phase = "backward"
+        finding.score -= 0.5
+        yield finding
+
+
+def _underflow(ctx: Context) -> tuple[ScaleFractions, str, str] | None:
+    hist, source = ctx.gradient_histogram()
+    k, where = ctx.gradient_shift()
+    fr = scale_fractions(hist, ctx.fmt, k)
+    if not fr.total or (fr.lost < ctx.th.underflow and fr.flushed < ctx.th.flushed):
+        return None
+    return fr, source, where
+
+
+def _underflow_finding(
+    ctx: Context, fr: ScaleFractions, source: str, where: str, message: str
+) -> Finding:
+    fmt = ctx.fmt
+    evidence = [
+        f"{source} {where}: {_pct(fr.subnormal)} subnormal (below {fmt.smallest_normal:.3g}), "
+        f"{_pct(fr.flushed)} flushed to zero (below {fmt.smallest_subnormal:.3g}), "
+        f"{_pct(fr.normal)} normal, of {fr.total} values"
+    ]
+    return _finding(
+        "warning",
+        message,
+        evidence,
+        phase="backward",
+        score=min(9.0, 4.0 + 3.0 * fr.lost + 2.0 * fr.flushed),
+        data={
+            "k": fr.k,
+            "subnormal": fr.subnormal,
+            "flushed": fr.flushed,
+            "normal": fr.normal,
+            "overflow": fr.overflow,
+        },
+    )
+
+
+@rule(id="gradient-underflow", kind="underflow", needs=("grad_hist",))
+def gradient_underflow(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """Without a loss scaler, most gradients are subnormal or flush to zero in the target."""
+    if ctx.scaler:
+        return
+    found = _underflow(ctx)
+    if found is None:
+        return
+    fr, source, where = found
+    yield _underflow_finding(
+        ctx,
+        fr,
+        source,
+        where,
+        f"{_pct(fr.lost)} of the gradients lose precision or vanish in {ctx.fmt.name} "
+        f"{where}: scale the loss (GradScaler)",
+    )
+
+
+@rule(id="scale-too-low", kind="loss_scale", needs=("grad_hist", "scaler"))
+def scale_too_low(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """With GradScaler, the scale in effect leaves most gradients subnormal or flushed."""
+    if not ctx.scaler:
+        return
+    found = _underflow(ctx)
+    if found is None:
+        return
+    fr, source, where = found
+    yield _underflow_finding(
+        ctx,
+        fr,
+        source,
+        where,
+        f"the loss scale is too low: {_pct(fr.lost)} of the gradients lose precision or "
+        f"vanish in {ctx.fmt.name} {where}",
+    )
+
+
+@rule(id="scale-backoff", kind="loss_scale", needs=("scaler", "steps"))
+def scale_backoff(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """GradScaler keeps backing off after its warm-up, or is still skipping at the end."""
+    steps = [
+        s
+        for s in sorted(trace.steps, key=lambda s: s.index)
+        if s.scale is not None and ctx.before_failure(s.index)
+    ]
+    if not steps:
+        return
+    warmup = 0
+    while warmup < len(steps) and steps[warmup].skipped:
+        warmup += 1
+    recovered = warmup < len(steps)
+    after = steps[warmup].index if recovered else math.inf
+    events = sorted(
+        (e for e in trace.scaler_events if ctx.before_failure(e.step)), key=lambda e: e.step
+    )
+    trouble = []
+    for i, e in enumerate(events):
+        if e.event != "backoff" or e.step < after:
+            continue
+        if i > 0 and events[i - 1].event == "growth":
+            continue  # a growth attempt that overflowed: how GradScaler probes
+        trouble.append(e)
+    tail = 0
+    while tail < len(steps) and steps[-1 - tail].skipped:
+        tail += 1
+    evidence = []
+    if trouble:
+        shown = ", ".join(str(e.step) for e in trouble[:8])
+        evidence.append(f"backoffs not preceded by a growth at steps {shown}")
+    if events:
+        now = ctx.current_scale() or steps[-1].scale
+        span = _span([(s.index, 0.0) for s in steps])
+        evidence.append(f"scale went from {steps[0].scale:g} to {now:g} over {span}")
+    if not recovered and len(steps) >= 2:
+        yield _finding(
+            "warning",
+            f"GradScaler skipped every one of the {len(steps)} steps recorded",
+            evidence,
+            phase="loss_scaling",
+            step=steps[0].index,
+            score=7.0,
+            data={"skipped": len(steps)},
+        )
+    elif tail >= 2:
+        yield _finding(
+            "warning",
+            f"GradScaler is still skipping steps at the end: the last {tail} steps were skipped",
+            evidence,
+            phase="loss_scaling",
+            step=steps[-tail].index,
+            score=7.0,
+            data={"skipped": tail},
+        )
+    elif len(trouble) >= ctx.th.backoffs:
+        yield _finding(
+            "warning",
+            f"the loss scale backed off {len(trouble)} times after "
+            "warm-up without a growth attempt to explain it",
+            evidence,
+            phase="loss_scaling",
+            step=trouble[0].step,
+            score=5.0,
+            data={"backoffs": len(trouble)},
+        )
+
+
+@rule(id="loss-spike", kind="lr_too_high", needs=("loss",))
+def loss_spike(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """A finite loss far above the median of the steps before it."""
+    th = ctx.th
+    losses = [
+        (s.index, s.loss) for s in ctx.clean_steps() if s.loss is not None and math.isfinite(s.loss)
+    ]
+    worst = None
+    for i in range(3, len(losses)):
+        prev = [v for _, v in losses[max(0, i - th.window) : i]]
+        med = statistics.median(prev)
+        if (
+            med > 0
+            and losses[i][1] / med >= th.loss_spike
+            and (worst is None or losses[i][1] / med > worst[2])
+        ):
+            worst = (losses[i][0], losses[i][1], losses[i][1] / med, med)
+    if worst is None:
+        return
+    step, value, ratio, med = worst
+    evidence = [
+        f"loss {_n(value)} at step {step}; median of the {th.window} steps before {_n(med)}"
+    ]
+    rec = ctx.steps.get(step)
+    if rec is not None and _finite_pos(rec.grad_norm):
+        evidence.append(f"gradient norm at step {step}: {_n(rec.grad_norm)}")  # type: ignore[arg-type]
+    yield _finding(
+        "warning",
+        f"the loss spiked to {ratio:.3g}x its recent median at step {step}",
+        evidence,
+        step=step,
+        score=min(8.0, 4.0 + math.log10(ratio)),
+        data={"ratio": ratio},
+    )
+
+
+@rule(id="input-range-shift", kind="bad_input", needs=("layers",))
+def input_range_shift(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """The first module's output range jumped while its weights held still: the batch changed."""
+    first = trace.layers[0]
+    points = sorted(
+        (s, v)
+        for s, v in first.forward_amax_by_step.items()
+        if _finite_pos(v) and (ctx.fail_step is None or s <= ctx.fail_step)
+    )
+    worst = None
+    for i in range(1, len(points)):
+        med = statistics.median(v for _, v in points[max(0, i - ctx.th.window) : i])
+        step, v = points[i]
+        w_now = first.param_amax_by_step.get(step - 1)
+        w_then = first.param_amax_by_step.get(points[0][0])
+        steady = not (_finite_pos(w_now) and _finite_pos(w_then)) or (
+            max(w_now, w_then) / min(w_now, w_then) < 1.5  # type: ignore[type-var,operator]
+        )
+        if (
+            med > 0
+            and v / med >= ctx.th.input_jump
+            and steady
+            and (worst is None or v / med > worst[2])
+        ):
+            worst = (step, v, v / med, med)
+    if worst is None:
+        return
+    step, v, ratio, med = worst
+    evidence = [
+        f"{first.module} ({first.type}) output amax {_n(v)} at step {step}, "
+        f"{ratio:.3g}x its median {_n(med)} before"
+    ]
+    if first.param_amax_by_step:
+        evidence.append(
+            f"its weights held still (largest |weight| "
+            f"{_n(max(first.param_amax_by_step.values()))})"
+        )
+    yield _finding(
+        "warning",
+        f"the batch at step {step} is on a different scale: "
+        f"{first.module}'s output jumped {ratio:.3g}x with unchanged weights",
+        evidence,
+        phase="data",
+        step=step,
+        module=first.module,
+        score=6.0,
+        data={"ratio": ratio, "amax": v, "median": med},
+    )
+
+
+# ----------------------------------------------------------------------------- diagnose
+
+
+def diagnose(trace: Trace, *, strict: bool = False, thresholds: Thresholds | None = None) -> None:
+    """Fill ``trace.diagnosis`` and ``trace.warnings`` from :data:`RULES`.
+
+    The diagnosis is the error that explains ``trace.first_failure``, picked by
+    :data:`PRECEDENCE`; errors that lose become warnings. Warnings are ranked by score (worst
+    first) and capped at ``thresholds.max_warnings``. A rule that raises on a malformed trace
+    is reported as an info finding, unless ``strict``, where the exception propagates.
+    ``trace.recommendations`` is left to :func:`nanhunt.advise.advise`.
+    """
+    ctx = Context(trace, thresholds)
+    errors: list[Finding] = []
+    warnings: list[Finding] = []
+    for r in RULES:
+        if not r.applicable(trace):
+            continue
+        try:
+            found = list(r.check(trace, ctx))
+        except Exception as exc:
+            if strict:
+                raise
+            warnings.append(
+                Finding(
+                    rule=r.id,
+                    kind=r.kind,
+                    severity="info",
+                    message=f"rule {r.id} could not run on this trace: {type(exc).__name__}: {exc}",
+                )
+            )
+            continue
+        for finding in found:
+            finding.rule = finding.rule or r.id
+            finding.kind = finding.kind or r.kind
+            (errors if finding.severity == "error" else warnings).append(finding)
+    primary = None
+    if errors and trace.first_failure is not None:
+        rank = {rid: i for i, rid in enumerate(PRECEDENCE)}
+        errors.sort(key=lambda e: rank.get(e.rule, len(rank)))
+        primary = errors.pop(0)
+        primary.score = ERROR_SCORE
+    for e in errors:
+        e.severity = "warning"
+        e.score = max(e.score, DEMOTED_SCORE) if primary is None else DEMOTED_SCORE
+        warnings.append(e)
+    warnings.sort(key=lambda w: -w.score)
+    trace.diagnosis = primary
+    trace.warnings = warnings[: ctx.th.max_warnings]
