@@ -159,6 +159,8 @@ class _Meta:
     parent: int | None = None
     consumers: list[int] = field(default_factory=list)
     consumer_paths: list[str] = field(default_factory=list)
+    also_producers: list[int] = field(default_factory=list)  # containers passing it through
+    also_owners: list[str] = field(default_factory=list)
     mutated: bool = False
     scale_index: int | None = None  # scalar index of the loss scale in effect (gradients)
     allowed: bool = False
@@ -632,8 +634,16 @@ class Hunt:
             if not _stats.summarizable(t):
                 continue
             idx = self._lookup(t)
-            if idx is not None and self._metas[idx].producer == frame.call:
-                continue
+            if idx is not None:
+                m = self._metas[idx]
+                if m.producer != frame.call and m.role == "output":
+                    # a container passing its child's output through: the same values
+                    m.also_producers.append(frame.call)
+                    m.also_owners.append(name)
+                    call.output_rows.append(idx)
+                    continue
+                if m.producer == frame.call:
+                    continue
             meta = _Meta(
                 step=self._step, order=self._next_order(), phase="forward", module=name,
                 tensor=path, role="output", dtype=str(t.dtype).removeprefix("torch."),
@@ -684,7 +694,7 @@ class Hunt:
             role="grad_input" if src.consumers else "grad_output",
             dtype=str(grad.dtype).removeprefix("torch."), shape=tuple(grad.shape),
             owner=src.owner if src.role == "output" else "", producer=None, parent=None,
-            scale_index=1,
+            scale_index=1, also_owners=list(src.also_owners),
         )
 
     def _on_grad(self, idx: int, grad: torch.Tensor) -> None:
@@ -915,9 +925,11 @@ class Hunt:
     def _accumulate(self, meta: _Meta, row: np.ndarray, d: _StepData) -> None:
         if meta.phase == "backward":
             self._add_grad_hist(meta.dtype, row, d.scale)
-        owner = meta.owner
-        if not owner:
-            return
+        for owner in (meta.owner, *meta.also_owners):
+            if owner:
+                self._accumulate_into(owner, meta, row)
+
+    def _accumulate_into(self, owner: str, meta: _Meta, row: np.ndarray) -> None:
         acc = self._layers.get(owner)
         if acc is None:
             acc = self._layers[owner] = _LayerAcc(owner, self._types.get(owner, ""))
@@ -1051,7 +1063,7 @@ class Hunt:
                 index=i, order=m.order, phase=m.phase, role=m.role, nonfinite=nonfinite,
                 one_sided_neginf=bool(r[3] > 0 and r[1] == 0 and r[2] == 0),
                 allowed=m.allowed, producer=m.producer, parent=m.parent,
-                consumers=list(m.consumers),
+                consumers=list(m.consumers), also_producers=list(m.also_producers),
             ))
             if m.producer is not None:
                 parents.setdefault(m.producer, m.parent)
@@ -1109,8 +1121,9 @@ class Hunt:
         f = self.first_failure
         if f is None or not self.keep_tensors or not self._calls:
             return
-        if f.step != self._step and origin_step.index != self._step:
-            return
+        if f.step != self._step and self.problem != "collapse":
+            return  # the failing step's inputs are gone
+        # (a collapsing scale fails the same way every step: this step's call will do)
         call = next((c for c in reversed(self._calls) if c.name == f.module), None)
         if call is None or call.args is None:
             return
@@ -1132,7 +1145,7 @@ class Hunt:
             grads = [g.detach().clone() if g is not None else None for g in grads]
         self.snapshot = Snapshot(module=module, name=call.name, args=args, kwargs=kwargs,
                                  grad_outputs=grads, autocast=call.autocast, phase=f.phase,
-                                 step=f.step, stale_inputs=stale,
+                                 step=self._step, stale_inputs=stale,
                                  call_site=self._call_site(call))
         if f.phase == "data":
             self._bad_samples(call)

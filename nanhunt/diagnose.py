@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .errors import NanhuntError
 from .formats import FORMATS, NumberFormat, get_format
 from .trace import Failure, Finding, LayerStats, StepRecord, TensorStats, Trace
 
@@ -292,7 +293,10 @@ class Context:
     def __init__(self, trace: Trace, thresholds: Thresholds | None = None) -> None:
         self.trace = trace
         self.th = thresholds or Thresholds()
-        self.fmt = get_format(trace.run.target or "float16")
+        try:
+            self.fmt = get_format(trace.run.target or "float16")
+        except NanhuntError:  # a report from a newer nanhunt: judge against float16
+            self.fmt = FORMATS["float16"]
         self.failure: Failure | None = trace.first_failure
         self.layers: dict[str, LayerStats] = {layer.module: layer for layer in trace.layers}
         self.order: dict[str, int] = {layer.module: i for i, layer in enumerate(trace.layers)}
@@ -604,7 +608,8 @@ def _classify_forward(ctx: Context) -> _Class:
         at_fail = layer.forward_amax_by_step.get(f.step)
         series = points + ([(f.step, at_fail)] if _finite_pos(at_fail) else [])
         if series and not is_loss:
-            text = f"{f.tensor} amax by step ({_span(series)}): {_series(series)}"
+            label = "output" if f.tensor.startswith("output") else f"{f.module}'s output"
+            text = f"{label} amax by step ({_span(series)}): {_series(series)}"
             trend = _trend(series)
             if trend:
                 text += f"; {trend[0]}"
@@ -624,7 +629,9 @@ def _classify_forward(ctx: Context) -> _Class:
         if wmax is not None and big(wmax):
             large.append("weights")
             evidence.append(f"its largest |weight| reached {_n(wmax)} before step {f.step}")
-    pred = ctx.predecessor(f.module, f.step)
+    # "input[0] of attn.softmax": made by the module's own code just before that child ran
+    child = f.tensor.split(" of ", 1)[1] if " of " in f.tensor else None
+    pred = ctx.predecessor(child if child in ctx.order else f.module, f.step)
     in_amax = _op_input_amax(ctx)
     if pred is not None:
         p_layer, p_amax = pred

@@ -34,13 +34,15 @@ class Rec:
     producer: int | None = None  # call id that produced it (outputs)
     parent: int | None = None  # call id active when it was produced (None: top level)
     consumers: list[int] = field(default_factory=list)  # call ids that took it as input
+    also_producers: list[int] = field(default_factory=list)  # containers that returned it
 
 
 def _call_outputs(recs: Sequence[Rec]) -> dict[int, list[Rec]]:
     out: dict[int, list[Rec]] = {}
     for r in recs:
         if r.producer is not None and r.role == "output":
-            out.setdefault(r.producer, []).append(r)
+            for call in (r.producer, *r.also_producers):
+                out.setdefault(call, []).append(r)
     return out
 
 

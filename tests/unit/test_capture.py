@@ -177,7 +177,7 @@ def test_nested_output_containers_are_walked():
 
         def forward(self, x, *, scale):
             h = self.fc(x)
-            return {"pair": (h, h * 2), "named": Out(h * scale, [h.sum()])}
+            return {"pair": (h + 1, h * 2), "named": Out(h * scale, [h.sum()])}
 
     class Outer(nn.Module):
         def __init__(self):

@@ -1,0 +1,911 @@
+"""Advice: recommendations with computed values and snippets, from a diagnosed trace. Torch-free.
+
+:func:`advise` reads ``trace.diagnosis`` and ``trace.warnings`` (running
+:func:`~nanhunt.diagnose.diagnose` first when neither is set) and fills
+``trace.recommendations``: the diagnosis's recommendations first, most relevant first, then the
+warnings'. Values are computed from the trace (the gradient exponent histogram, the gradient-norm
+history, weight growth); snippets are Python the user pastes, naming modules by their qualified
+names and assuming the user's variables are called ``model``, ``optimizer``, ``scaler`` and
+``loss``. ``verified`` stays False: the replay checks advice later.
+
+>>> from nanhunt.formats import get_format
+>>> choice = choose_init_scale({-20: 100}, get_format("float16"), 2.0**16)
+>>> choice.k, choice.chosen.normal
+(33, 1.0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .diagnose import (
+    Context,
+    ScaleFractions,
+    diagnose,
+    eps_in_format,
+    is_loss_type,
+    is_norm_type,
+    is_sentinel,
+    module_pattern,
+    scale_fractions,
+)
+from .formats import NumberFormat
+from .trace import Finding, LayerStats, Recommendation, Trace
+
+__all__ = [
+    "ScaleChoice",
+    "advise",
+    "choose_init_scale",
+    "clip_value",
+    "eps_in_format",
+    "lr_factor",
+    "nice_ceil",
+    "suggest_eps",
+]
+
+#: GradScaler's defaults (DESIGN.md §3).
+DEFAULT_INIT_SCALE = 2.0**16
+DEFAULT_GROWTH_INTERVAL = 2000
+
+#: Normal-mass gain (fraction of all values) worth giving up the second binade of headroom.
+_HEADROOM_GAIN = 0.01
+
+#: T5's margin below the format's max for clamping activations (finfo.max - 1000).
+_T5_CLAMP_MARGIN = 1000.0
+
+#: Relative weight change per step that lower_lr aims for.
+_TARGET_UPDATE = 0.1
+
+#: Typical defaults, to show what becomes of them in the target format.
+_EPS_DEFAULTS = {
+    "Adam's default eps": 1e-8,
+    "LayerNorm's default eps": 1e-5,
+    "a common RMSNorm eps": 1e-6,
+}
+
+
+# ----------------------------------------------------------------------------- pure arithmetic
+
+
+@dataclass(frozen=True)
+class ScaleChoice:
+    """A loss scale ``2**k`` chosen from a gradient exponent histogram."""
+
+    k: int
+    current: ScaleFractions  # at the scale in use (or GradScaler's default)
+    chosen: ScaleFractions  # at 2**k
+    headroom: int  # binades between the largest scaled gradient's binade and the max binade
+
+    @property
+    def scale(self) -> float:
+        return 2.0**self.k
+
+
+def choose_init_scale(
+    hist: dict[int, int], fmt: NumberFormat, current_scale: float | None = None
+) -> ScaleChoice:
+    """The loss scale ``2**k`` for unscaled gradients with exponent histogram ``hist``.
+
+    A scale ``2**k`` moves binade ``e`` to ``e + k``. The choice overflows nothing, keeps two
+    binades of headroom below ``fmt``'s max binade (one, when that keeps at least 1% more of the
+    mass normal) and, within that, keeps the most mass normal: the largest such ``k``.
+    Fractions are reported at ``current_scale`` (GradScaler's default 2**16 when None) and at
+    the choice.
+
+    >>> from nanhunt.formats import get_format
+    >>> c = choose_init_scale({0: 1, -10: 1}, get_format("float16"))
+    >>> c.k, c.current.overflow, c.chosen.overflow
+    (13, 0.5, 0.0)
+    """
+    current = current_scale if current_scale and current_scale > 0 else DEFAULT_INIT_SCALE
+    k_now = round(math.log2(current))
+    occupied = [e for e, c in hist.items() if c > 0]
+    if not occupied:
+        now = scale_fractions(hist, fmt, k_now)
+        return ScaleChoice(k_now, now, now, fmt.max_binade - k_now)
+    top = max(occupied)
+    k2 = fmt.max_binade - 2 - top
+    k1 = k2 + 1
+    two, one = scale_fractions(hist, fmt, k2), scale_fractions(hist, fmt, k1)
+    k, chosen = (k1, one) if one.normal - two.normal >= _HEADROOM_GAIN else (k2, two)
+    return ScaleChoice(k, scale_fractions(hist, fmt, k_now), chosen, fmt.max_binade - (top + k))
+
+
+def nice_ceil(x: float) -> float:
+    """The smallest of 1, 2, 5 times a power of ten that is >= ``x``.
+
+    >>> nice_ceil(6.88), nice_ceil(0.3), nice_ceil(2.0)
+    (10.0, 0.5, 2.0)
+    """
+    if not x > 0:
+        return 1.0
+    exp = math.floor(math.log10(x))
+    for m in (1, 2, 5, 10):
+        v = m * 10.0**exp
+        if v >= x * (1 - 1e-12):
+            return float(f"{v:.12g}")
+    return 10.0 ** (exp + 1)
+
+
+def clip_value(norms: list[float], percentile: float = 90.0) -> float | None:
+    """``max_norm`` for gradient clipping: the nearest-rank percentile of healthy gradient
+    norms, rounded up with :func:`nice_ceil`. None without norms."""
+    vals = sorted(v for v in norms if v > 0 and math.isfinite(v))
+    if not vals:
+        return None
+    rank = max(1, math.ceil(percentile / 100 * len(vals)))
+    return nice_ceil(vals[rank - 1])
+
+
+def lr_factor(growth_per_step: float) -> float:
+    """What to multiply the learning rate by when weights grow ``growth_per_step`` x a step.
+
+    The weights change by ``growth - 1`` of their size a step; updates scale with the learning
+    rate, so the factor that brings that change to 10% is ``0.1 / (growth - 1)``, rounded down
+    to a power of ten and at most 0.1.
+
+    >>> lr_factor(35.0), lr_factor(1.6)
+    (0.001, 0.1)
+    """
+    if not growth_per_step > 1:
+        return 0.1
+    f = _TARGET_UPDATE / (growth_per_step - 1)
+    return min(0.1, 10.0 ** math.floor(math.log10(f)))
+
+
+def suggest_eps(fmt: NumberFormat) -> float:
+    """The smallest power of ten that is a normal number in ``fmt`` (1e-4 for float16).
+
+    >>> from nanhunt.formats import get_format
+    >>> suggest_eps(get_format("float16"))
+    0.0001
+    """
+    return float(f"1e{math.ceil(math.log10(fmt.smallest_normal))}")
+
+
+# ----------------------------------------------------------------------------- snippet helpers
+
+
+def _n(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def _span(points: list[tuple[int, float]]) -> str:
+    a, b = points[0][0], points[-1][0]
+    return f"step {a}" if a == b else f"steps {a}-{b}"
+
+
+def _pct(frac: float) -> str:
+    if frac <= 0:
+        return "0%"
+    if frac < 0.0001:
+        return "<0.01%"
+    return f"{100 * frac:.2g}%"
+
+
+def _q(name: str) -> str:
+    """A double-quoted Python string literal (module names come from user code)."""
+    return json.dumps(name)
+
+
+def _device_type(trace: Trace) -> str:
+    m = re.match(r"[a-z]+", trace.run.device or "")
+    return m.group(0) if m and m.group(0) in ("cpu", "cuda", "xpu", "mps", "hpu") else "cuda"
+
+
+def _module_ref(ctx: Context, name: str) -> str:
+    """How a snippet reaches a module: a loss outside the model by its variable name."""
+    layer = ctx.layer(name)
+    if layer is not None and "." not in name and is_loss_type(layer.type):
+        return name
+    return f"model.get_submodule({_q(name)})"
+
+
+def _fractions(fr: ScaleFractions) -> str:
+    return (
+        f"{_pct(fr.overflow)} overflow, {_pct(fr.subnormal)} subnormal, "
+        f"{_pct(fr.flushed)} flush to zero, {_pct(fr.normal)} normal"
+    )
+
+
+def _narrow_dtype(layer: LayerStats | None, fmt: NumberFormat) -> bool:
+    return layer is not None and fmt.name in layer.dtypes
+
+
+def _torch_dtype(fmt: NumberFormat) -> str:
+    return f"torch.{fmt.name}"
+
+
+_FP32_HELPER = '''import fnmatch
+
+import torch
+from torch import nn
+
+
+def run_in_float32(model: nn.Module, pattern: str, cast_to: torch.dtype | None = None) -> list:
+    """Run the submodules whose names match ``pattern`` in float32 with autocast off; cast
+    their output to ``cast_to`` (None: leave it in float32 for what follows)."""
+    names = []
+    for name, module in model.named_modules():
+        if not fnmatch.fnmatchcase(name, pattern):
+            continue
+        module.float()
+        forward = module.forward
+
+        def fp32_forward(*args, _forward=forward, **kwargs):
+            args = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+            kwargs = {
+                k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                for k, v in kwargs.items()
+            }
+            device = next((a.device.type for a in args if torch.is_tensor(a)), "cuda")
+            with torch.autocast(device_type=device, enabled=False):
+                out = _forward(*args, **kwargs)
+            if cast_to is not None and torch.is_tensor(out):
+                out = out.to(cast_to)
+            return out
+
+        module.forward = fp32_forward
+        names.append(name)
+    return names
+
+'''
+
+
+# ----------------------------------------------------------------------------- builders
+# Each takes the trace, the diagnosis context and the finding it answers, and returns one
+# recommendation or None when the evidence does not support it.
+
+Builder = Callable[[Trace, Context, Finding], "Recommendation | None"]
+
+
+def _init_scale(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    hist, source = ctx.gradient_histogram()
+    if not hist:
+        return None
+    fmt = ctx.fmt
+    had_scaler = ctx.scaler
+    current = ctx.initial_scale() if had_scaler else None
+    choice = choose_init_scale(hist, fmt, current)
+    k_now = choice.current.k
+    if had_scaler and choice.k == k_now:
+        return None
+    now_label = f"at 2^{k_now}" + (
+        " (the run's init_scale)" if had_scaler else " (GradScaler's default)"
+    )
+    evidence = [
+        f"{source}, {sum(hist.values())} values: {now_label}: {_fractions(choice.current)}",
+        f"at 2^{choice.k}: {_fractions(choice.chosen)}; the largest gradient sits "
+        f"{choice.headroom} binades below {fmt.name}'s max binade",
+    ]
+    interval, why = _growth_interval(trace)
+    evidence.append(why)
+    dev = _device_type(trace)
+    line = (
+        f'scaler = torch.amp.GradScaler("{dev}", init_scale=2.0**{choice.k}, '
+        f"growth_interval={interval})"
+    )
+    if had_scaler:
+        snippet = f"import torch\n\n{line}"
+    else:
+        fp_params = any(
+            layer.param_grad is not None and layer.param_grad.dtype == fmt.name
+            for layer in trace.layers
+        )
+        lines = ["import torch", ""]
+        if fp_params:
+            evidence.append(
+                f"the parameters are {fmt.name}: GradScaler cannot unscale {fmt.name} gradients, "
+                "so keep float32 weights and let autocast run the layers in "
+                f"{fmt.name}"
+            )
+            lines.append("model.float()  # float32 weights; autocast computes in half precision")
+        lines += [
+            line,
+            "",
+            f'with torch.autocast("{dev}", dtype={_torch_dtype(fmt)}):',
+            "    loss = loss_fn(model(inputs), targets)",
+            "scaler.scale(loss).backward()",
+            "scaler.step(optimizer)",
+            "scaler.update()",
+        ]
+        snippet = "\n".join(lines)
+    return Recommendation(
+        type="init_scale",
+        value=choice.scale,
+        snippet=snippet,
+        evidence=evidence,
+    )
+
+
+def _growth_interval(trace: Trace) -> tuple[int, str]:
+    """growth_interval: the default, or longer when growth attempts kept backing off."""
+    events = sorted(trace.scaler_events, key=lambda e: e.step)
+    cycles = [
+        (a, b)
+        for a, b in itertools.pairwise(events)
+        if a.event == "growth" and b.event == "backoff"
+    ]
+    growths = [e.step for e in events if e.event == "growth"]
+    if len(cycles) >= 2 and len(growths) >= 2:
+        gaps = [b - a for a, b in itertools.pairwise(growths) if b > a]
+        spacing = sorted(gaps)[len(gaps) // 2] if gaps else DEFAULT_GROWTH_INTERVAL
+        interval = int(nice_ceil(2 * spacing))
+        return interval, (
+            f"{len(cycles)} growths were undone by a backoff at the next overflow: "
+            f"growth_interval={interval} (twice the {spacing}-step spacing of growths) tries "
+            "half as often"
+        )
+    return DEFAULT_GROWTH_INTERVAL, (
+        f"growth_interval={DEFAULT_GROWTH_INTERVAL} (the default): the scaler still doubles the "
+        "scale after that many clean steps and backs off, skipping one step, if it overflows"
+    )
+
+
+def _fp32_targets(trace: Trace, ctx: Context, finding: Finding) -> tuple[str, list[str]] | None:
+    """The name or pattern to run in float32 and the instances at risk."""
+    if finding.rule.startswith("near-overflow"):
+        modules = list(finding.data.get("modules") or ([finding.module] if finding.module else []))
+        if not modules:
+            return None
+        return (finding.module or modules[0]), modules
+    name = finding.module
+    layer = ctx.layer(name) if name else None
+    if layer is None:
+        return None
+    pattern = module_pattern(name)
+    at_risk = [name]
+    for other in trace.layers:
+        if other.module == name or other.type != layer.type:
+            continue
+        if module_pattern(other.module) != pattern:
+            continue
+        peak = ctx.forward_peak(other)
+        if peak is not None and ctx.fmt.headroom_binades(peak[1]) < ctx.th.near_max:
+            at_risk.append(other.module)
+    return (pattern if len(at_risk) >= 2 else name), at_risk
+
+
+def _region_end(ctx: Context, name: str) -> tuple[LayerStats, list[str]] | None:
+    """The next normalisation after ``name`` in execution order (containers of ``name`` and
+    pass-through copies skipped), and the modules between."""
+    start = ctx.order.get(name)
+    if start is None:
+        return None
+    layers = ctx.trace.layers
+    culprit = layers[start]
+    between = []
+    for layer in layers[start + 1 :]:
+        if ctx.is_descendant(name, layer.module):
+            continue
+        if layer.forward_amax_by_step == culprit.forward_amax_by_step:
+            continue
+        if is_norm_type(layer.type):
+            return layer, between
+        if is_loss_type(layer.type):
+            return None
+        between.append(layer.module)
+    return None
+
+
+def _fp32_module(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    fmt = ctx.fmt
+    if finding.rule == "loss-nan-op":
+        return _fp32_probabilities(trace, ctx, finding)
+    targets = _fp32_targets(trace, ctx, finding)
+    if targets is None:
+        return None
+    target, instances = targets
+    first = ctx.layer(instances[0])
+    if finding.kind == "nan_op" and not _narrow_dtype(first, fmt):
+        return None  # already in float32: float32 will not help
+    evidence = []
+    if len(instances) > 1:
+        evidence.append(
+            f"{len(instances)} instances of {target} are within {ctx.th.near_max:g} binades of "
+            f"{fmt.name}'s max or past it: {', '.join(instances[:4])}"
+        )
+    else:
+        siblings = _sibling_headroom(trace, ctx, instances[0])
+        if siblings:
+            evidence.append(siblings)
+    cast = _torch_dtype(fmt) if _narrow_dtype(first, fmt) else None
+    exceeds = False
+    f = trace.first_failure
+    if finding.severity == "error" and f is not None and f.module == instances[0]:
+        s = f.stats
+        exceeds = finding.kind == "overflow" and f.phase == "forward" and bool(s.posinf or s.neginf)
+        if exceeds:
+            evidence.append(
+                f"its {fmt.name} output held {s.posinf} +inf and {s.neginf} -inf: the float32 "
+                f"values exceed {fmt.max:g}, so casting them back makes inf again"
+            )
+    elif finding.data.get("headroom", 0.0) < 0:
+        exceeds = True
+        evidence.append(f"its float32 values exceed {fmt.max:g}: casting them back makes inf")
+    calls = []
+    region = None
+    if exceeds:
+        found = _region_end(ctx, instances[0])
+        if found is None:
+            evidence.append(
+                "no normalisation follows it in the trace: keep float32 until values are back "
+                f"below {fmt.max:g}, or clamp (see the clamp recommendation)"
+            )
+            calls.append(f"run_in_float32(model, {_q(target)})  # stays float32 after it")
+        else:
+            end, between = found
+            end_name = _same_shape(target, instances[0], end.module)
+            peak = ctx.forward_peak(end)
+            back = f" (amax {_n(peak[1])} at step {peak[0]})" if peak else ""
+            region = [target, *between, end_name]
+            evidence.append(
+                f"the float32 region must run through {end.module} ({end.type}), the next "
+                f"normalisation, where values are back in range{back}; cast back after it"
+            )
+            calls.append(f"run_in_float32(model, {_q(target)})  # its output exceeds {fmt.max:g}")
+            calls += [f"run_in_float32(model, {_q(m)})" for m in between]
+            cast_arg = f", cast_to={cast}" if cast else ""
+            calls.append(f"run_in_float32(model, {_q(end_name)}{cast_arg})  # back in range here")
+    else:
+        cast_arg = f", cast_to={cast}" if cast else ""
+        calls.append(f"run_in_float32(model, {_q(target)}{cast_arg})")
+    evidence.append(
+        "float32 for these instances only, not the whole class; autocast stays on elsewhere"
+    )
+    value = target if region is None else region
+    return Recommendation(
+        type="fp32_module",
+        value=value,
+        module=target,
+        snippet=_FP32_HELPER + "\n" + "\n".join(calls),
+        evidence=evidence,
+    )
+
+
+def _same_shape(pattern: str, instance: str, other: str) -> str:
+    """``other`` as a pattern when ``pattern`` generalises ``instance`` the same way
+    (``encoder.blocks.*.norm`` for ``encoder.blocks.1.norm``)."""
+    if pattern == instance:
+        return other
+    p = module_pattern(other)
+    return p if p != other and instance.startswith(other.rsplit(".", 1)[0]) else other
+
+
+def _sibling_headroom(trace: Trace, ctx: Context, name: str) -> str | None:
+    layer = ctx.layer(name)
+    if layer is None:
+        return None
+    pattern = module_pattern(name)
+    if pattern == name:
+        return None
+    parts = []
+    for other in trace.layers:
+        if other.module == name or other.type != layer.type:
+            continue
+        if module_pattern(other.module) != pattern:
+            continue
+        peak = ctx.forward_peak(other)
+        if peak is not None:
+            h = ctx.fmt.headroom_binades(peak[1])
+            parts.append(f"{other.module} peaks at {_n(peak[1])} ({h:.1f} binades of headroom)")
+    if not parts:
+        return None
+    return f"other instances of {pattern} are not at risk: " + "; ".join(parts[:3])
+
+
+def _fp32_probabilities(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    """For log(0) in a loss: compute the probabilities in float32, where they do not round to 0."""
+    name = finding.data.get("input_module")
+    layer = ctx.layer(name) if name else None
+    if not finding.data.get("probabilities") or layer is None or not _narrow_dtype(layer, ctx.fmt):
+        return None
+    fwd = layer.forward
+    evidence = [
+        f"{name} ({layer.type}) ran in {ctx.fmt.name} and held {fwd.zero if fwd else 0} exact "
+        f"zeros: probabilities below {ctx.fmt.smallest_subnormal:.3g} round to 0 in "
+        f"{ctx.fmt.name}, not in float32",
+        "better still: compute the loss from logits (log_softmax, cross_entropy), which never "
+        "takes log(0)",
+    ]
+    return Recommendation(
+        type="fp32_module",
+        value=name,
+        module=name,
+        snippet=_FP32_HELPER + f"\nrun_in_float32(model, {_q(name)})  # the loss gets float32",
+        evidence=evidence,
+    )
+
+
+def _clamp(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    f = trace.first_failure
+    if finding.severity != "error" or f is None:
+        return None
+    fmt = ctx.fmt
+    if finding.rule == "forward-overflow":
+        s = f.stats
+        if s.nan or not (s.posinf or s.neginf) or not f.module:
+            return None  # clamp turns inf into a finite value; NaN stays NaN
+        value = fmt.max - min(_T5_CLAMP_MARGIN, fmt.max / 64)
+        target = _fp32_targets(trace, ctx, finding)
+        pattern = target[0] if target else f.module
+        inf = s.posinf + s.neginf
+        snippet = "\n".join(
+            [
+                "import fnmatch",
+                "",
+                "import torch",
+                "",
+                f"CLAMP_VALUE = {value!r}  # {fmt.name}'s max ({fmt.max:g}) less T5's margin",
+                "",
+                "",
+                "def clamp_output(module, args, output):",
+                f"    if torch.is_tensor(output) and output.dtype == {_torch_dtype(fmt)}:",
+                "        return output.clamp(-CLAMP_VALUE, CLAMP_VALUE)",
+                "    return output",
+                "",
+                "",
+                "for name, module in model.named_modules():",
+                f"    if fnmatch.fnmatchcase(name, {_q(pattern)}):",
+                "        module.register_forward_hook(clamp_output)",
+            ]
+        )
+        return Recommendation(
+            type="clamp",
+            value=value,
+            module=pattern,
+            snippet=snippet,
+            evidence=[
+                f"{inf} of {s.numel} values ({_pct(inf / s.numel)}) of {f.module}'s output were "
+                f"±inf at step {f.step}: clamping replaces them with ±{value:g}, which changes "
+                "what the next layers see",
+                "it bounds the symptom; running the module in float32 keeps the values",
+            ],
+        )
+    if finding.rule == "loss-nan-op" and finding.data.get("probabilities"):
+        value = fmt.smallest_normal
+        ref = _module_ref(ctx, f.module) if f.module else None
+        if ref is None:
+            return None
+        snippet = "\n".join(
+            [
+                "import torch",
+                "",
+                "",
+                "def keep_probabilities_positive(module, args):",
+                f"    # log(0) = -inf: keep probabilities at or above {fmt.name}'s smallest normal",
+                "    return tuple(",
+                f"        a.clamp_min({value!r}) if torch.is_tensor(a) and a.is_floating_point() "
+                "else a",
+                "        for a in args",
+                "    )",
+                "",
+                "",
+                f"{ref}.register_forward_pre_hook(keep_probabilities_positive)",
+            ]
+        )
+        return Recommendation(
+            type="clamp",
+            value=value,
+            module=f.module,
+            snippet=snippet,
+            evidence=[
+                f"{finding.data.get('input_module')} feeds {f.module} probabilities that reach 0",
+                f"clamped at {value:.3g}, each sample's -log(p) is at most {-math.log(value):.3g}",
+            ],
+        )
+    op = finding.data.get("op")
+    template = _OP_CLAMPS.get(op or "")
+    if finding.kind == "nan_op" and template:
+        value = fmt.smallest_normal
+        where = f"{f.source}: {f.source_line.strip()}" if f.source and f.source_line else None
+        lines = [f"# {where}"] if where else [f"# where {f.module or 'the code'} calls {op}:"]
+        lines.append(template.format(v=repr(value)))
+        return Recommendation(
+            type="clamp",
+            value=value,
+            module=f.module or None,
+            snippet="\n".join(lines),
+            evidence=[
+                f"aten.{op} made the first non-finite value from finite inputs; keeping its "
+                f"input at or above {value:.3g} ({fmt.name}'s smallest normal) keeps it finite"
+            ],
+        )
+    return None
+
+
+_OP_CLAMPS = {
+    "log": "y = torch.log(x.clamp_min({v}))",
+    "log2": "y = torch.log2(x.clamp_min({v}))",
+    "log10": "y = torch.log10(x.clamp_min({v}))",
+    "sqrt": "y = torch.sqrt(x.clamp_min({v}))",
+    "rsqrt": "y = torch.rsqrt(x.clamp_min({v}))",
+    "reciprocal": "y = torch.reciprocal(x.clamp_min({v}))",
+    "div": "y = a / b.clamp_min({v})  # b >= 0; for a signed b: b + torch.where(b < 0, -{v}, {v})",
+    "pow": "y = x.clamp_min({v}) ** p",
+}
+
+
+def _eps(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    fmt = ctx.fmt
+    value = suggest_eps(fmt)
+    if eps_in_format(value, fmt) != "normal":
+        return None
+    defaults = [
+        f"{label} {eps:g} is {eps_in_format(eps, fmt)} in {fmt.name}"
+        for label, eps in _EPS_DEFAULTS.items()
+    ]
+    tail = f"{value:g} is the smallest power of ten that is a normal {fmt.name} number"
+    if finding.rule == "optimizer-eps":
+        if all(eps_in_format(eps, fmt) == "normal" for eps in _EPS_DEFAULTS.values()):
+            return None
+        return Recommendation(
+            type="eps",
+            value=value,
+            module=finding.module,
+            snippet="\n".join(
+                [
+                    "for group in optimizer.param_groups:",
+                    f'    group["eps"] = {value!r}  # nonzero in {fmt.name}',
+                ]
+            ),
+            evidence=[
+                defaults[0],
+                tail,
+                "better still: keep float32 weights (autocast + "
+                "GradScaler), where the optimizer runs in float32",
+            ],
+        )
+    name = finding.module
+    layer = ctx.layer(name) if name else None
+    if layer is None or not is_norm_type(layer.type) or not _narrow_dtype(layer, fmt):
+        return None
+    ref = _module_ref(ctx, name)
+    snippet = "\n".join(
+        [
+            f"norm = {ref}",
+            'for attr in ("eps", "variance_epsilon", "epsilon"):',
+            "    if hasattr(norm, attr):",
+            f"        setattr(norm, attr, {value!r})  # a normal {fmt.name} number",
+        ]
+    )
+    return Recommendation(
+        type="eps",
+        value=value,
+        module=name,
+        snippet=snippet,
+        evidence=[f"{name} ({layer.type}) ran in {fmt.name}", *defaults[1:], tail],
+    )
+
+
+def _healthy_norms(ctx: Context, trace: Trace) -> tuple[list[tuple[int, float]], int | None]:
+    """Gradient norms before growth or a spike began, and where it began."""
+    norms = ctx.grad_norms(include_failure=False)
+    start = None
+    for w in [trace.diagnosis, *trace.warnings]:
+        if w is not None and w.rule == "exploding-gradient" and "from_step" in w.data:
+            start = int(w.data["from_step"])
+            spike = "spike" in w.data
+            cut = [(s, v) for s, v in norms if s < start or (s == start and not spike)]
+            return cut, start
+    return norms, start
+
+
+def _clip_grad_norm(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    healthy, start = _healthy_norms(ctx, trace)
+    value = clip_value([v for _, v in healthy])
+    if value is None:
+        return None
+    vals = sorted(v for _, v in healthy)
+    evidence = [
+        f"gradient norm over {len(vals)} healthy step{'s' if len(vals) != 1 else ''} "
+        f"({_span(healthy)}): median {_n(statistics.median(vals))}, "
+        f"largest {_n(vals[-1])}",
+        f"max_norm={value:g}: the 90th percentile of those, rounded up",
+    ]
+    later = [v for s, v in ctx.grad_norms() if start is not None and s > start]
+    if later:
+        evidence.append(f"afterwards it reached {_n(max(later))}")
+    if ctx.scaler:
+        lines = [
+            "scaler.scale(loss).backward()",
+            "scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones",
+            f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={value!r})",
+            "scaler.step(optimizer)",
+            "scaler.update()",
+        ]
+    else:
+        lines = [
+            "loss.backward()",
+            f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={value!r})",
+            "optimizer.step()",
+        ]
+    return Recommendation(
+        type="clip_grad_norm",
+        value=value,
+        snippet="import torch\n\n" + "\n".join(lines),
+        evidence=evidence,
+    )
+
+
+def _lower_lr(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    g = finding.data.get("growth_per_step")
+    what = (
+        "the weights"
+        if finding.rule in ("weight-growth", "optimizer-update")
+        else ("the gradient norm")
+    )
+    if g is None and finding.rule == "exploding-gradient":
+        g = None  # a spike, not steady growth: a plain tenfold cut
+    factor = lr_factor(g) if g else 0.1
+    evidence = []
+    if g:
+        evidence.append(
+            f"{what} grew about {g:.3g}x a step: a change of {g - 1:.3g} of their size a step"
+        )
+        evidence.append(
+            f"if updates scale with the learning rate, x{factor:g} brings that to about "
+            f"{(g - 1) * factor:.2g} a step"
+        )
+    else:
+        evidence.append("no steady growth rate to size the cut from: a tenfold cut to start with")
+    snippet = "\n".join(
+        [
+            "for group in optimizer.param_groups:",
+            f'    group["lr"] *= {factor!r}',
+        ]
+    )
+    return Recommendation(
+        type="lower_lr",
+        value=factor,
+        module=finding.module,
+        snippet=snippet,
+        evidence=evidence,
+    )
+
+
+def _normalize_input(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    shift = next(
+        (
+            w
+            for w in [trace.diagnosis, *trace.warnings]
+            if w is not None and w.rule == "input-range-shift"
+        ),
+        None,
+    )
+    evidence = []
+    value: dict[str, object]
+    if finding.rule == "bad-input":
+        amax = float(finding.data.get("amax", 0.0))
+        if not (amax > 0 and ctx.fmt.headroom_binades(amax) < ctx.th.large) or is_sentinel(amax):
+            return None
+        value = {"module": finding.module, "amax": amax}
+        evidence.append(f"besides NaN/Inf, the batch's finite values reach {_n(amax)}")
+    elif shift is not None:
+        value = {"module": shift.module, "step": shift.step, "jump": round(shift.data["ratio"], 3)}
+        evidence += shift.evidence
+    elif finding.rule == "forward-overflow" and "input_module" not in finding.data:
+        value = {"module": finding.module}
+        evidence.append(f"{finding.module} is the first module: its input is the batch")
+    else:
+        return None
+    evidence.append(
+        "standardised inputs keep the first layers' outputs on the scale they were trained on"
+    )
+    snippet = "\n".join(
+        [
+            "import torch",
+            "",
+            "",
+            "def standardize(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> "
+            "torch.Tensor:",
+            '    """Inputs on one scale, whichever shard they came from."""',
+            "    return (x - mean) / std.clamp_min(1e-6)",
+            "",
+            "",
+            "# once, from the training data: mean, std = train_x.mean(dim=0), train_x.std(dim=0)",
+            "# per batch, before the model:   x = standardize(x, mean, std)",
+        ]
+    )
+    return Recommendation(
+        type="normalize_input",
+        value=value,
+        module=value.get("module"),
+        snippet=snippet,  # type: ignore[arg-type]
+        evidence=evidence,
+    )
+
+
+def _fix_data(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    samples: dict[str, list[int]] = dict(finding.data.get("samples") or {})
+    step = finding.step
+    evidence = [f"step {step}: {finding.tensor} of {finding.module} carried NaN/Inf"]
+    for path, idx in samples.items():
+        evidence.append(
+            f"{path}: batch positions {', '.join(map(str, idx[:10]))}"
+            + (" ..." if len(idx) > 10 else "")
+        )
+    seen = "; ".join(f"{p}: {idx[:10]}" for p, idx in samples.items()) or finding.tensor or ""
+    snippet = "\n".join(
+        [
+            "import torch",
+            "",
+            "",
+            "def nonfinite_samples(batch: torch.Tensor) -> list:",
+            '    """Batch positions whose values hold NaN or Inf."""',
+            "    bad = ~torch.isfinite(batch.reshape(batch.shape[0], -1)).all(dim=1)",
+            "    return bad.nonzero().flatten().tolist()",
+            "",
+            "",
+            f"# nanhunt saw step {step}: {seen}",
+            "# in the training loop, before the model:",
+            "#     bad = nonfinite_samples(x)",
+            "#     if bad:",
+            '#         print(f"step {step}: skipping a batch with non-finite samples {bad}")',
+            "#         continue",
+        ]
+    )
+    return Recommendation(
+        type="fix_data",
+        value={"step": step, "samples": samples},
+        module=finding.module,
+        snippet=snippet,
+        evidence=evidence,
+    )
+
+
+#: Which recommendations answer which rule, most relevant first.
+ADVICE: dict[str, tuple[Builder, ...]] = {
+    "bad-input": (_fix_data, _normalize_input),
+    "forward-overflow": (_fp32_module, _normalize_input, _clamp),
+    "backward-overflow": (_fp32_module, _init_scale, _clip_grad_norm),
+    "loss-nan-op": (_clamp, _fp32_module),
+    "forward-nan-op": (_eps, _clamp, _fp32_module),
+    "norm-underflow": (_eps, _fp32_module),
+    "backward-nan-op": (_clamp, _eps, _fp32_module),
+    "optimizer-update": (_lower_lr, _clip_grad_norm),
+    "optimizer-eps": (_eps,),
+    "scale-collapse": (_fp32_module, _eps, _clip_grad_norm),
+    "weight-growth": (_lower_lr, _clip_grad_norm),
+    "exploding-gradient": (_clip_grad_norm, _lower_lr),
+    "near-overflow-forward": (_fp32_module,),
+    "near-overflow-backward": (_fp32_module,),
+    "gradient-underflow": (_init_scale,),
+    "scale-too-low": (_init_scale,),
+    "scale-backoff": (_init_scale,),
+    "loss-spike": (_clip_grad_norm,),
+    "input-range-shift": (_normalize_input,),
+}
+
+
+def advise(trace: Trace) -> None:
+    """Fill ``trace.recommendations`` from the diagnosis and the warnings (not info findings).
+
+    Runs :func:`~nanhunt.diagnose.diagnose` first when the trace has neither a diagnosis nor
+    warnings. One recommendation per (type, module), the diagnosis's first.
+    """
+    if trace.diagnosis is None and not trace.warnings:
+        diagnose(trace)
+    ctx = Context(trace)
+    findings = [trace.diagnosis] if trace.diagnosis is not None else []
+    findings += [w for w in trace.warnings if w.severity == "warning"]
+    recs: list[Recommendation] = []
+    seen: set[tuple[str, str | None]] = set()
+    for finding in findings:
+        for build in ADVICE.get(finding.rule, ()):
+            rec = build(trace, ctx, finding)
+            if rec is None or (rec.type, rec.module) in seen:
+                continue
+            if rec.type in ("init_scale", "clip_grad_norm", "lower_lr") and any(
+                r.type == rec.type for r in recs
+            ):
+                continue  # one per run: they apply to the whole model
+            seen.add((rec.type, rec.module))
+            recs.append(rec)
+    trace.recommendations = recs
