@@ -1,0 +1,26 @@
+"""The runnable example in docs/api.md runs and prints what its comments say."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def _runnable_blocks(text: str) -> list[str]:
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    return [b for b in blocks if "import nanhunt" in b and "# " in b and "..." not in b]
+
+
+def test_api_example_prints_what_it_promises(tmp_path):
+    (block,) = _runnable_blocks((DOCS / "api.md").read_text())
+    expected = [m.group(1).strip() for m in re.finditer(r"print\(.*\)\s+# (.*)", block)]
+    script = tmp_path / "example.py"
+    script.write_text(block)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines() == expected
