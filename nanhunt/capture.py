@@ -312,6 +312,7 @@ class Hunt:
         self._optimizer_ref = weakref.ref(optimizer) if optimizer is not None else None
         self._scaler_ref = weakref.ref(scaler) if scaler is not None else None
         self._stack: contextlib.ExitStack | None = None
+        self._module_handles: list[Any] = []
         self._reset()
 
     # -- state --------------------------------------------------------------------------
@@ -366,6 +367,8 @@ class Hunt:
         self._metas = self._metas[self._flushed:]
         self._flushed = 0
         self._full = self._step % self.sample_every == 0 or bool(self._problem_steps)
+        if self.sample_every > 1 and self._stack is not None:
+            self._set_module_hooks(self._full or not (self._saw_optimizer or self.scaler_seen))
         self._did_backward = False
         self._scaled_loss_ids: set[int] = set()
         self._transferred = False
@@ -459,8 +462,8 @@ class Hunt:
 
     def _install(self) -> None:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_M.register_module_forward_pre_hook(self._on_pre))
-            stack.enter_context(_M.register_module_forward_hook(self._on_post, with_kwargs=True))
+            self._set_module_hooks(True)
+            stack.callback(self._set_module_hooks, False)
             stack.enter_context(_O.register_optimizer_step_pre_hook(self._on_opt_pre))
             stack.enter_context(_O.register_optimizer_step_post_hook(self._on_opt_post))
             self._patch(stack, torch.Tensor, "backward", self._wrap_backward)
@@ -472,6 +475,19 @@ class Hunt:
         if model is not None:
             self._add_root(model, primary=True, label=type(model).__name__)
         self._active = True
+
+    def _set_module_hooks(self, on: bool) -> None:
+        """Global module hooks slow every module call, so sampled mode drops them between
+        sampled steps."""
+        if on and not self._module_handles:
+            self._module_handles = [
+                _M.register_module_forward_pre_hook(self._on_pre),
+                _M.register_module_forward_hook(self._on_post, with_kwargs=True),
+            ]
+        elif not on:
+            for h in self._module_handles:
+                h.remove()
+            self._module_handles = []
 
     @staticmethod
     def _patch(stack: contextlib.ExitStack, owner: type, name: str, wrapper: Any) -> None:

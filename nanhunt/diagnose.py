@@ -1257,7 +1257,8 @@ def _passes_through(ctx: Context, prev: _Risk, r: _Risk) -> bool:
     (an activation, dropout): the same risk, reported once."""
     adjacent = ctx.order.get(r.layer.module, -1) - ctx.order.get(prev.layer.module, -9) == 1
     no_params = not r.layer.param_amax_by_step and r.layer.param_grad is None
-    return adjacent and no_params and r.amax <= prev.amax
+    other_kind = r.layer.type != prev.layer.type
+    return adjacent and no_params and other_kind and r.amax <= prev.amax
 
 
 def _group_risks(

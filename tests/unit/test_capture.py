@@ -390,3 +390,25 @@ def test_nanhunt_changes_nothing(half):
     assert plain_losses == hunt_losses
     for k in plain_state:
         assert torch.equal(plain_state[k], hunt_state[k]), k
+
+
+def test_sampled_mode_traces_every_nth_step_and_escalates_on_failure():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with nanhunt.watch(model, opt, scaler, sample_every=4) as hunt:
+        for step, (x, y) in enumerate(batches(9)):
+            if step == 5:
+                x[0, 0] = float("nan")
+            amp_step(model, opt, scaler, x, y)
+            if step == 1:
+                from torch.nn.modules import module as M
+
+                assert not M._global_forward_hooks  # dropped between sampled steps
+    layers = {r.module for r in hunt.records(0)}
+    assert "encoder.blocks.0.ffn.wi" in layers
+    assert all(r.role in ("loss",) for r in hunt.records(1))
+    f = hunt.first_failure
+    assert (f.step, f.tensor) == (5, "loss")  # found by the cheap check, in an unsampled step
+    assert any(r.module == "encoder.blocks.0.ffn.wi" for r in hunt.records(6))  # escalated
