@@ -29,6 +29,7 @@ from .diagnose import (
     ScaleFractions,
     diagnose,
     eps_in_format,
+    failure_op,
     is_loss_type,
     is_norm_type,
     is_sentinel,
@@ -49,6 +50,9 @@ __all__ = [
     "suggest_eps",
 ]
 
+#: Formats autocast computes in, where GradScaler's loss scale is the tool.
+_AUTOCAST_FORMATS = ("float16", "bfloat16")
+
 #: GradScaler's defaults (DESIGN.md §3).
 DEFAULT_INIT_SCALE = 2.0**16
 DEFAULT_GROWTH_INTERVAL = 2000
@@ -59,12 +63,20 @@ _HEADROOM_GAIN = 0.01
 #: T5's margin below the format's max for clamping activations (finfo.max - 1000).
 _T5_CLAMP_MARGIN = 1000.0
 
+#: Percentile of healthy gradient norms that clip_grad_norm's max_norm starts from.
+_CLIP_PERCENTILE = 90.0
+
 #: Relative weight change per step that lower_lr aims for.
 _TARGET_UPDATE = 0.1
 
+#: Where normalisation modules keep their eps (torch, Hugging Face T5/Llama norms, Keras ports).
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+
+_ADAM = "Adam's default eps"
+
 #: Typical defaults, to show what becomes of them in the target format.
 _EPS_DEFAULTS = {
-    "Adam's default eps": 1e-8,
+    _ADAM: 1e-8,
     "LayerNorm's default eps": 1e-5,
     "a common RMSNorm eps": 1e-6,
 }
@@ -80,7 +92,7 @@ class ScaleChoice:
     k: int
     current: ScaleFractions  # at the scale in use (or GradScaler's default)
     chosen: ScaleFractions  # at 2**k
-    headroom: int  # binades between the largest scaled gradient's binade and the max binade
+    headroom: int | None  # binades from the largest scaled gradient's binade to the max binade
 
     @property
     def scale(self) -> float:
@@ -108,7 +120,7 @@ def choose_init_scale(
     occupied = [e for e, c in hist.items() if c > 0]
     if not occupied:
         now = scale_fractions(hist, fmt, k_now)
-        return ScaleChoice(k_now, now, now, fmt.max_binade - k_now)
+        return ScaleChoice(k_now, now, now, None)
     top = max(occupied)
     k2 = fmt.max_binade - 2 - top
     k1 = k2 + 1
@@ -182,11 +194,12 @@ def _span(points: list[tuple[int, float]]) -> str:
 
 
 def _pct(frac: float) -> str:
+    """``0%``, ``<0.01%``, ``0.83%``, ``2.8%``, ``31%``, ``100%``."""
     if frac <= 0:
         return "0%"
     if frac < 0.0001:
         return "<0.01%"
-    return f"{100 * frac:.2g}%"
+    return f"{100 * frac:.0f}%" if frac >= 0.1 else f"{100 * frac:.2g}%"
 
 
 def _q(name: str) -> str:
@@ -267,9 +280,11 @@ Builder = Callable[[Trace, Context, Finding], "Recommendation | None"]
 
 def _init_scale(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
     hist, source = ctx.gradient_histogram()
-    if not hist:
-        return None
     fmt = ctx.fmt
+    if fmt.name not in _AUTOCAST_FORMATS:
+        return None  # float8 training scales per tensor (Transformer Engine), not with GradScaler
+    if not any(c > 0 for c in hist.values()) and finding.data.get("flushed") != 1.0:
+        return None  # no gradient recorded to size a scale from
     had_scaler = ctx.scaler
     current = ctx.initial_scale() if had_scaler else None
     choice = choose_init_scale(hist, fmt, current)
@@ -279,11 +294,23 @@ def _init_scale(trace: Trace, ctx: Context, finding: Finding) -> Recommendation 
     now_label = f"at 2^{k_now}" + (
         " (the run's init_scale)" if had_scaler else " (GradScaler's default)"
     )
-    evidence = [
-        f"{source}, {sum(hist.values())} values: {now_label}: {_fractions(choice.current)}",
-        f"at 2^{choice.k}: {_fractions(choice.chosen)}; the largest gradient sits "
-        f"{choice.headroom} binades below {fmt.name}'s max binade",
-    ]
+    evidence = []
+    if not had_scaler and choice.headroom is not None:
+        plain = scale_fractions(hist, fmt, 0)
+        evidence.append(
+            f"{source}, {plain.total} values, without a loss scale: {_fractions(plain)}"
+        )
+    if choice.headroom is None:
+        evidence.append(
+            "no non-zero gradient was recorded to size the scale from: start at "
+            f"2^{choice.k}; GradScaler doubles it after every growth_interval clean steps"
+        )
+    else:
+        evidence += [
+            f"{source}, {choice.current.total} values: {now_label}: {_fractions(choice.current)}",
+            f"at 2^{choice.k}: {_fractions(choice.chosen)}; the largest gradient sits "
+            f"{choice.headroom} binades below {fmt.name}'s max binade",
+        ]
     interval, why = _growth_interval(trace)
     evidence.append(why)
     dev = _device_type(trace)
@@ -321,7 +348,24 @@ def _init_scale(trace: Trace, ctx: Context, finding: Finding) -> Recommendation 
         value=choice.scale,
         snippet=snippet,
         evidence=evidence,
+        data={
+            "k": choice.k,
+            "current_k": k_now,
+            "growth_interval": interval,
+            "histogram": source,
+            "current": _fraction_dict(choice.current),
+            "chosen": _fraction_dict(choice.chosen),
+        },
     )
+
+
+def _fraction_dict(fr: ScaleFractions) -> dict[str, float]:
+    return {
+        "overflow": fr.overflow,
+        "normal": fr.normal,
+        "subnormal": fr.subnormal,
+        "flushed": fr.flushed,
+    }
 
 
 def _growth_interval(trace: Trace) -> tuple[int, str]:
@@ -398,6 +442,8 @@ def _fp32_module(trace: Trace, ctx: Context, finding: Finding) -> Recommendation
     fmt = ctx.fmt
     if finding.rule == "loss-nan-op":
         return _fp32_probabilities(trace, ctx, finding)
+    if finding.rule == "scale-collapse" and not finding.data.get("overflow"):
+        return None  # NaN made in backward: float32 does not make sqrt'(0) finite
     targets = _fp32_targets(trace, ctx, finding)
     if targets is None:
         return None
@@ -450,7 +496,10 @@ def _fp32_module(trace: Trace, ctx: Context, finding: Finding) -> Recommendation
                 f"normalisation, where values are back in range{back}; cast back after it"
             )
             calls.append(f"run_in_float32(model, {_q(target)})  # its output exceeds {fmt.max:g}")
-            calls += [f"run_in_float32(model, {_q(m)})" for m in between]
+            calls += [
+                f"run_in_float32(model, {_q(_same_shape(target, instances[0], m))})"
+                for m in between
+            ]
             cast_arg = f", cast_to={cast}" if cast else ""
             calls.append(f"run_in_float32(model, {_q(end_name)}{cast_arg})  # back in range here")
     else:
@@ -466,6 +515,11 @@ def _fp32_module(trace: Trace, ctx: Context, finding: Finding) -> Recommendation
         module=target,
         snippet=_FP32_HELPER + "\n" + "\n".join(calls),
         evidence=evidence,
+        data={
+            "modules": instances,
+            "region": region or [target],
+            "cast_to": fmt.name if cast else None,
+        },
     )
 
 
@@ -520,6 +574,7 @@ def _fp32_probabilities(trace: Trace, ctx: Context, finding: Finding) -> Recomme
         module=name,
         snippet=_FP32_HELPER + f"\nrun_in_float32(model, {_q(name)})  # the loss gets float32",
         evidence=evidence,
+        data={"modules": [name], "region": [name], "cast_to": None},
     )
 
 
@@ -567,6 +622,7 @@ def _clamp(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | Non
                 "what the next layers see",
                 "it bounds the symptom; running the module in float32 keeps the values",
             ],
+            data={"where": "output", "bound": value},
         )
     if finding.rule == "loss-nan-op" and finding.data.get("probabilities"):
         value = fmt.smallest_normal
@@ -599,10 +655,19 @@ def _clamp(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | Non
                 f"{finding.data.get('input_module')} feeds {f.module} probabilities that reach 0",
                 f"clamped at {value:.3g}, each sample's -log(p) is at most {-math.log(value):.3g}",
             ],
+            data={"where": "input", "min": value},
         )
-    op = finding.data.get("op")
+    op = failure_op(trace)
+    if f.phase in ("backward", "loss_scaling") and f.source_line:
+        # the backward op (a div for sqrt's derivative) is not what the user wrote: the
+        # forward call on that line is where the clamp goes
+        m = _FORWARD_CALL.search(f.source_line)
+        op = m.group(1) if m else op
     template = _OP_CLAMPS.get(op or "")
-    if finding.kind == "nan_op" and template:
+    invalid = finding.kind == "nan_op" or (
+        finding.rule == "scale-collapse" and not finding.data.get("overflow")
+    )
+    if invalid and template:
         value = fmt.smallest_normal
         where = f"{f.source}: {f.source_line.strip()}" if f.source and f.source_line else None
         lines = [f"# {where}"] if where else [f"# where {f.module or 'the code'} calls {op}:"]
@@ -616,9 +681,12 @@ def _clamp(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | Non
                 f"aten.{op} made the first non-finite value from finite inputs; keeping its "
                 f"input at or above {value:.3g} ({fmt.name}'s smallest normal) keeps it finite"
             ],
+            data={"where": "op_input", "op": op, "min": value},
         )
     return None
 
+
+_FORWARD_CALL = re.compile(r"\b(sqrt|rsqrt|log10|log2|log|reciprocal|pow)\s*\(")
 
 _OP_CLAMPS = {
     "log": "y = torch.log(x.clamp_min({v}))",
@@ -637,13 +705,14 @@ def _eps(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
     value = suggest_eps(fmt)
     if eps_in_format(value, fmt) != "normal":
         return None
-    defaults = [
-        f"{label} {eps:g} is {eps_in_format(eps, fmt)} in {fmt.name}"
-        for label, eps in _EPS_DEFAULTS.items()
-    ]
+
+    def becomes(label: str) -> str:
+        eps = _EPS_DEFAULTS[label]
+        return f"{label} {eps:g} is {eps_in_format(eps, fmt)} in {fmt.name}"
+
     tail = f"{value:g} is the smallest power of ten that is a normal {fmt.name} number"
     if finding.rule == "optimizer-eps":
-        if all(eps_in_format(eps, fmt) == "normal" for eps in _EPS_DEFAULTS.values()):
+        if eps_in_format(_EPS_DEFAULTS[_ADAM], fmt) == "normal":
             return None
         return Recommendation(
             type="eps",
@@ -656,11 +725,12 @@ def _eps(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
                 ]
             ),
             evidence=[
-                defaults[0],
+                becomes(_ADAM),
                 tail,
                 "better still: keep float32 weights (autocast + "
                 "GradScaler), where the optimizer runs in float32",
             ],
+            data={"where": "optimizer"},
         )
     name = finding.module
     layer = ctx.layer(name) if name else None
@@ -670,7 +740,7 @@ def _eps(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
     snippet = "\n".join(
         [
             f"norm = {ref}",
-            'for attr in ("eps", "variance_epsilon", "epsilon"):',
+            "for attr in (" + ", ".join(_q(a) for a in _EPS_ATTRS) + "):",
             "    if hasattr(norm, attr):",
             f"        setattr(norm, attr, {value!r})  # a normal {fmt.name} number",
         ]
@@ -680,7 +750,12 @@ def _eps(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
         value=value,
         module=name,
         snippet=snippet,
-        evidence=[f"{name} ({layer.type}) ran in {fmt.name}", *defaults[1:], tail],
+        evidence=[
+            f"{name} ({layer.type}) ran in {fmt.name}",
+            *(becomes(label) for label in _EPS_DEFAULTS if label != _ADAM),
+            tail,
+        ],
+        data={"where": "module", "attrs": list(_EPS_ATTRS)},
     )
 
 
@@ -698,8 +773,10 @@ def _healthy_norms(ctx: Context, trace: Trace) -> tuple[list[tuple[int, float]],
 
 
 def _clip_grad_norm(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    if finding.rule == "scale-collapse" and not finding.data.get("overflow"):
+        return None  # clipping a NaN gradient leaves it NaN
     healthy, start = _healthy_norms(ctx, trace)
-    value = clip_value([v for _, v in healthy])
+    value = clip_value([v for _, v in healthy], _CLIP_PERCENTILE)
     if value is None:
         return None
     vals = sorted(v for _, v in healthy)
@@ -707,7 +784,7 @@ def _clip_grad_norm(trace: Trace, ctx: Context, finding: Finding) -> Recommendat
         f"gradient norm over {len(vals)} healthy step{'s' if len(vals) != 1 else ''} "
         f"({_span(healthy)}): median {_n(statistics.median(vals))}, "
         f"largest {_n(vals[-1])}",
-        f"max_norm={value:g}: the 90th percentile of those, rounded up",
+        f"max_norm={value:g}: the {_CLIP_PERCENTILE:g}th percentile of those, rounded up",
     ]
     later = [v for s, v in ctx.grad_norms() if start is not None and s > start]
     if later:
@@ -731,27 +808,21 @@ def _clip_grad_norm(trace: Trace, ctx: Context, finding: Finding) -> Recommendat
         value=value,
         snippet="import torch\n\n" + "\n".join(lines),
         evidence=evidence,
+        data={"percentile": _CLIP_PERCENTILE, "healthy_steps": [s for s, _ in healthy]},
     )
 
 
 def _lower_lr(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
     g = finding.data.get("growth_per_step")
-    what = (
-        "the weights"
-        if finding.rule in ("weight-growth", "optimizer-update")
-        else ("the gradient norm")
-    )
-    if g is None and finding.rule == "exploding-gradient":
-        g = None  # a spike, not steady growth: a plain tenfold cut
-    factor = lr_factor(g) if g else 0.1
+    weights = finding.rule in ("weight-growth", "optimizer-update")
+    what = "the largest |weight|" if weights else "the gradient norm"
+    factor = lr_factor(g) if g else 0.1  # a spike, no steady rate: a tenfold cut
     evidence = []
     if g:
+        evidence.append(f"{what} grew about {g:.3g}x a step, +{_pct(g - 1)} a step")
         evidence.append(
-            f"{what} grew about {g:.3g}x a step: a change of {g - 1:.3g} of their size a step"
-        )
-        evidence.append(
-            f"if updates scale with the learning rate, x{factor:g} brings that to about "
-            f"{(g - 1) * factor:.2g} a step"
+            f"if the change a step scales with the learning rate, x{factor:g} brings it to "
+            f"about +{_pct((g - 1) * factor)} a step"
         )
     else:
         evidence.append("no steady growth rate to size the cut from: a tenfold cut to start with")
@@ -766,6 +837,7 @@ def _lower_lr(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | 
         value=factor,
         module=finding.module,
         snippet=snippet,
+        data={"growth_per_step": g},
         evidence=evidence,
     )
 
@@ -816,8 +888,8 @@ def _normalize_input(trace: Trace, ctx: Context, finding: Finding) -> Recommenda
     return Recommendation(
         type="normalize_input",
         value=value,
-        module=value.get("module"),
-        snippet=snippet,  # type: ignore[arg-type]
+        module=str(value["module"]),
+        snippet=snippet,
         evidence=evidence,
     )
 
@@ -871,7 +943,7 @@ ADVICE: dict[str, tuple[Builder, ...]] = {
     "backward-nan-op": (_clamp, _eps, _fp32_module),
     "optimizer-update": (_lower_lr, _clip_grad_norm),
     "optimizer-eps": (_eps,),
-    "scale-collapse": (_fp32_module, _eps, _clip_grad_norm),
+    "scale-collapse": (_fp32_module, _clamp, _eps, _clip_grad_norm),
     "weight-growth": (_lower_lr, _clip_grad_norm),
     "exploding-gradient": (_clip_grad_norm, _lower_lr),
     "near-overflow-forward": (_fp32_module,),

@@ -238,7 +238,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     from .distributed import RankContext
     from .runner import print_user_traceback, run_target
 
-    ctx = RankContext.from_env()
+    ctx = RankContext.from_env(out_dir)
     live = _LiveLine(enabled=not opts.quiet and ctx.rank == 0)
     hunt = Hunt(
         target=opts.target,
@@ -247,7 +247,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
         sample_every=opts.sample_every,
         stop_on_problem=not opts.keep_going,
         max_steps=opts.max_steps,
-        on_step=live.update,
+        on_step=ctx.step_hook(live.update),  # distributed: every rank stops at the same step
     )
     run = _run_info(argv, target.argv0, torch.__version__)
     run.world_size = ctx.world_size
@@ -262,8 +262,11 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
         with live:
             outcome = run_target(target, (StopRun, _Terminated))
     finally:
+        if old_term is not None and ctx.distributed:
+            # torchrun sends SIGTERM to every worker once one fails: finish the report first
+            signal.signal(signal.SIGTERM, ctx.defer_sigterm)
         hunt.stop()
-        if old_term is not None:
+        if old_term is not None and not ctx.distributed:
             signal.signal(signal.SIGTERM, old_term)
     if isinstance(outcome.error, _Terminated):
         outcome.status, outcome.exit_code = "interrupted", 143
@@ -280,9 +283,20 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
         print_user_traceback(outcome.error)
     from .pipeline import analyse_and_report
 
-    trace = analyse_and_report(hunt, run, out_dir, strict=opts.strict, ctx=ctx,
-                               show_all=opts.show_all, quiet=opts.quiet)
-    code = _exit_code(trace, outcome, opts.strict)
+    try:
+        trace = analyse_and_report(
+            hunt,
+            run,
+            out_dir,
+            strict=opts.strict,
+            ctx=ctx,
+            show_all=opts.show_all,
+            quiet=opts.quiet,
+        )
+    finally:
+        if old_term is not None and ctx.distributed:
+            signal.signal(signal.SIGTERM, old_term)
+    code = ctx.exit_code(_exit_code(trace, outcome, opts.strict), trace)
     run.exit_code = code
     return code
 
@@ -296,6 +310,8 @@ def _main_thread() -> bool:
 def _exit_code(trace: Any, outcome: Any, strict: bool) -> int:
     if trace.problem or (strict and trace.warnings):
         return EXIT_PROBLEM
+    if trace.run.status == "crashed":  # distributed: rank 0's merged report, any rank's crash
+        return EXIT_SCRIPT_FAILED
     if outcome.status == "interrupted":
         return outcome.exit_code
     if outcome.status == "crashed":

@@ -22,7 +22,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from .errors import NanhuntError
 from .formats import FORMATS, NumberFormat, get_format
@@ -38,6 +38,7 @@ __all__ = [
     "Thresholds",
     "diagnose",
     "eps_in_format",
+    "failure_op",
     "is_loss_type",
     "is_norm_type",
     "is_sentinel",
@@ -92,6 +93,7 @@ _OVERFLOW_OP_NAMES = """
     _scaled_dot_product_efficient_attention linalg_vector_norm norm
 """
 _NAN_OPS = frozenset(_NAN_OP_NAMES.split())
+_OP_NOISE = frozenset({"aten", "prims", "default", "Tensor", "Scalar", "out"})
 _OVERFLOW_OPS = frozenset(_OVERFLOW_OP_NAMES.split())
 
 
@@ -183,11 +185,12 @@ def _n(x: float) -> str:
 
 
 def _pct(frac: float) -> str:
+    """``0%``, ``<0.01%``, ``0.83%``, ``2.8%``, ``31%``, ``100%``."""
     if frac <= 0:
         return "0%"
     if frac < 0.0001:
         return "<0.01%"
-    return f"{100 * frac:.2g}%"
+    return f"{100 * frac:.0f}%" if frac >= 0.1 else f"{100 * frac:.2g}%"
 
 
 def _counts(stats: TensorStats) -> str:
@@ -209,7 +212,7 @@ def _span(points: list[tuple[int, float]]) -> str:
     return f"step {a}" if a == b else f"steps {a}-{b}"
 
 
-def _finite_pos(v: float | None) -> bool:
+def _finite_pos(v: float | None) -> TypeGuard[float]:
     return v is not None and v > 0 and math.isfinite(v)
 
 
@@ -316,7 +319,7 @@ class Context:
     def scale_at(self, step: int) -> float:
         rec = self.steps.get(step)
         s = rec.scale if rec is not None else None
-        return s if _finite_pos(s) else 1.0  # type: ignore[return-value]
+        return s if _finite_pos(s) else 1.0
 
     def initial_scale(self) -> float | None:
         for s in sorted(self.trace.steps, key=lambda s: s.index):
@@ -349,7 +352,7 @@ class Context:
             ):
                 continue
             if not s.skipped and _finite_pos(s.grad_norm):
-                out.append((s.index, float(s.grad_norm)))  # type: ignore[arg-type]
+                out.append((s.index, s.grad_norm))
         return out
 
     # -- layers ----------------------------------------------------------------------------
@@ -408,8 +411,8 @@ class Context:
         if f is not None and f.module in self.order and layer.module in self.order:
             ran_before = self.order[layer.module] < self.order[f.module]
             v = layer.forward_amax_by_step.get(f.step)
-            if ran_before and _finite_pos(v) and not is_sentinel(v):  # type: ignore[arg-type]
-                points.append((f.step, v))  # type: ignore[arg-type]
+            if ran_before and _finite_pos(v) and not is_sentinel(v):
+                points.append((f.step, v))
         return max(points, key=lambda p: p[1]) if points else None
 
     def backward_peak(self, layer: LayerStats) -> tuple[int, float] | None:
@@ -496,7 +499,8 @@ def rule(*, id: str, kind: str, needs: tuple[str, ...] = ()) -> Callable[[RuleFu
     def register(func: RuleFunc) -> RuleFunc:
         if any(r.id == id for r in RULES):
             raise ValueError(f"duplicate rule id {id!r}")
-        description = (func.__doc__ or "").strip().splitlines()[0] if func.__doc__ else ""
+        # the docstring's first paragraph, on one line
+        description = " ".join((func.__doc__ or "").strip().split("\n\n")[0].split())
         RULES.append(Rule(id, kind, tuple(needs), description, func))
         return func
 
@@ -528,22 +532,26 @@ class _Class:
     data: dict[str, Any]
 
 
-def _op(ctx: Context) -> str | None:
-    f = ctx.failure
+def failure_op(trace: Trace) -> str | None:
+    """The op that made the first non-finite value, as the replay named it, without namespace
+    and overload (``aten.log.default`` and ``aten::log`` -> ``log``); None without a replay."""
+    f = trace.first_failure
     op = f.op if f is not None else None
     if not op:
-        op = next((o.op for o in ctx.trace.ops if o.first_nonfinite), None)
+        op = next((o.op for o in trace.ops if o.first_nonfinite), None)
     if not op:
         return None
-    op = op.replace("::", ".").split(".")
-    op = [p for p in op if p not in ("aten", "prims", "default", "Tensor", "Scalar", "out")]
-    return op[0] if op else None
+    parts = [p for p in op.replace("::", ".").split(".") if p not in _OP_NOISE]
+    return parts[0] if parts else None
 
 
 def _op_input_amax(ctx: Context) -> float | None:
     """Largest finite result of the replayed ops before the first non-finite one."""
+    phase = ctx.failure.phase if ctx.failure is not None else "forward"
     vals = []
     for o in ctx.trace.ops:
+        if o.phase != phase:
+            continue
         if o.first_nonfinite:
             break
         if _finite_pos(o.amax):
@@ -583,7 +591,7 @@ def _classify_forward(ctx: Context) -> _Class:
     layer = ctx.layer(f.module)
     type_name = layer.type if layer is not None else ""
     is_loss = f.tensor == "loss" or is_loss_type(type_name)
-    op = _op(ctx)
+    op = failure_op(ctx.trace)
     evidence = [_describe_failure(f, fmt)]
     data: dict[str, Any] = {
         "dtype": s.dtype,
@@ -625,7 +633,7 @@ def _classify_forward(ctx: Context) -> _Class:
                     f"before step {f.step} it peaked at {_n(peak)} (step {step}): "
                     f"{h:.1f} binades below {fmt.name}'s max"
                 )
-        wmax = max((v for st, v in ctx.pre_points(layer.param_amax_by_step)), default=None)
+        wmax = max((v for _, v in ctx.pre_points(layer.param_amax_by_step)), default=None)
         if wmax is not None and big(wmax):
             large.append("weights")
             evidence.append(f"its largest |weight| reached {_n(wmax)} before step {f.step}")
@@ -718,7 +726,7 @@ def _classify_backward(ctx: Context) -> _Class:
     fmt = ctx.format_of(s.dtype)
     scale = ctx.scale_at(f.step)
     layer = ctx.layer(f.module)
-    op = _op(ctx)
+    op = failure_op(ctx.trace)
     evidence = [_describe_failure(f, fmt)]
     if ctx.scaler:
         evidence.append(f"observed at loss scale {scale:g}")
@@ -731,7 +739,7 @@ def _classify_backward(ctx: Context) -> _Class:
     if near(s.amax):
         large.append("gradient")
     if layer is not None:
-        observed = [(st, v) for st, v in ctx.pre_points(layer.backward_amax_by_step)]
+        observed = ctx.pre_points(layer.backward_amax_by_step)
         unscaled = ctx.pre_points(layer.backward_amax_by_step, scaled=True)
         if unscaled:
             label = "unscaled gradient" if ctx.scaler else "gradient"
@@ -847,7 +855,7 @@ def bad_input(trace: Trace, ctx: Context) -> Iterator[Finding]:
     if f is None or f.phase != "data":
         return
     s = f.stats
-    evidence = [f"step {f.step}: {f.tensor} of {f.module} held {_counts(s)} of {s.numel} values"]
+    evidence = [f"step {f.step}: {f.tensor} of {f.module} held {_counts(s)} of {_of(s.numel)}"]
     if s.amax > 0:
         evidence.append(
             f"its finite values reach {_n(s.amax)} "
@@ -1057,6 +1065,7 @@ def scale_collapse(trace: Trace, ctx: Context) -> Iterator[Finding]:
         )
     layer = ctx.layer(f.module)
     cause = "an invalid op in backward (0 * inf, the derivative of sqrt at 0)"
+    overflow = False
     if layer is not None:
         peak = ctx.backward_peak(layer)
         if peak is not None:
@@ -1066,9 +1075,9 @@ def scale_collapse(trace: Trace, ctx: Context) -> Iterator[Finding]:
                 f"(step {peak[0]}): {h:.1f} binades below {ctx.fmt.name}'s max"
             )
             if h < ctx.th.near_max:
-                cause = "unscaled gradients that exceed the max"
+                cause, overflow = "unscaled gradients that exceed the max", True
     if s.nan and not (s.posinf or s.neginf):
-        cause = "NaN made in backward (0 * inf, the derivative of sqrt at 0)"
+        cause, overflow = "NaN made in backward (0 * inf, the derivative of sqrt at 0)", False
     yield _finding(
         "error",
         f"the loss scale collapsed: GradScaler skipped {n} steps in a row while the gradient of "
@@ -1078,7 +1087,7 @@ def scale_collapse(trace: Trace, ctx: Context) -> Iterator[Finding]:
         step=f.step,
         module=f.module or None,
         tensor=f.tensor,
-        data={"skipped": n, "scale_from": first, "scale_to": last},
+        data={"skipped": n, "scale_from": first, "scale_to": last, "overflow": overflow},
     )
 
 
@@ -1101,7 +1110,8 @@ def _weight_growth(ctx: Context) -> tuple[LayerStats, Growth, list[tuple[int, fl
 
 @rule(id="weight-growth", kind="lr_too_high", needs=("param_amax",))
 def weight_growth(trace: Trace, ctx: Context) -> Iterator[Finding]:
-    """Weights grew fast step over step (largest |weight| per step) before any failure."""
+    """Weights grew fast step over step (largest |weight| after each update), before a failure
+    or in a run still finite."""
     f = ctx.failure
     if f is not None and f.phase in ("data", "optimizer"):
         return
@@ -1348,28 +1358,48 @@ def near_overflow_backward(trace: Trace, ctx: Context) -> Iterator[Finding]:
         yield finding
 
 
-def _underflow(ctx: Context) -> tuple[ScaleFractions, str, str] | None:
-    hist, source = ctx.gradient_histogram()
-    k, where = ctx.gradient_shift()
-    fr = scale_fractions(hist, ctx.fmt, k)
-    if not fr.total or (fr.lost < ctx.th.underflow and fr.flushed < ctx.th.flushed):
-        return None
-    return fr, source, where
+def _vanished(ctx: Context) -> list[StepRecord]:
+    """Clean steps whose whole gradient was exactly zero while the loss was not: every gradient
+    flushed (zeros are not in the exponent histogram, so it cannot show them)."""
+    steps = [s for s in ctx.clean_steps() if s.grad_norm is not None]
+    zero = [s for s in steps if s.grad_norm == 0 and s.loss]
+    uses_target = ctx.fmt.name in ctx.trace.run.dtypes
+    return zero if uses_target and len(zero) >= 2 and len(zero) == len(steps) else []
 
 
-def _underflow_finding(
-    ctx: Context, fr: ScaleFractions, source: str, where: str, message: str
-) -> Finding:
+def _underflow(ctx: Context, message: Callable[[float, str], str]) -> Iterator[Finding]:
+    """The gradient-underflow finding, worded by ``message(fraction lost, where)``."""
     fmt = ctx.fmt
-    evidence = [
-        f"{source} {where}: {_pct(fr.subnormal)} subnormal (below {fmt.smallest_normal:.3g}), "
-        f"{_pct(fr.flushed)} flushed to zero (below {fmt.smallest_subnormal:.3g}), "
-        f"{_pct(fr.normal)} normal, of {fr.total} values"
-    ]
-    return _finding(
+    k, where = ctx.gradient_shift()
+    zero = _vanished(ctx)
+    if zero:
+        losses = sorted(s.loss for s in zero if s.loss is not None)
+        loss = _n(losses[0]) if losses[0] == losses[-1] else f"{_n(losses[0])} to {_n(losses[-1])}"
+        yield _finding(
+            "warning",
+            message(1.0, where),
+            [
+                f"the gradient norm was exactly 0 in {_span([(s.index, 0.0) for s in zero])} "
+                f"while the loss was {loss}: the gradients "
+                f"flushed to zero in {fmt.name} (below {fmt.smallest_subnormal:.3g})"
+            ],
+            phase="backward",
+            score=9.0,
+            data={"k": k, "subnormal": 0.0, "flushed": 1.0, "normal": 0.0, "overflow": 0.0},
+        )
+        return
+    hist, source = ctx.gradient_histogram()
+    fr = scale_fractions(hist, fmt, k)
+    if not fr.total or (fr.lost < ctx.th.underflow and fr.flushed < ctx.th.flushed):
+        return
+    yield _finding(
         "warning",
-        message,
-        evidence,
+        message(fr.lost, where),
+        [
+            f"{source} {where}: {_pct(fr.subnormal)} subnormal (below "
+            f"{fmt.smallest_normal:.3g}), {_pct(fr.flushed)} flushed to zero (below "
+            f"{fmt.smallest_subnormal:.3g}), {_pct(fr.normal)} normal, of {fr.total} values"
+        ],
         phase="backward",
         score=min(9.0, 4.0 + 3.0 * fr.lost + 2.0 * fr.flushed),
         data={
@@ -1382,41 +1412,31 @@ def _underflow_finding(
     )
 
 
-@rule(id="gradient-underflow", kind="underflow", needs=("grad_hist",))
+@rule(id="gradient-underflow", kind="underflow", needs=("steps",))
 def gradient_underflow(trace: Trace, ctx: Context) -> Iterator[Finding]:
     """Without a loss scaler, most gradients are subnormal or flush to zero in the target."""
     if ctx.scaler:
         return
-    found = _underflow(ctx)
-    if found is None:
-        return
-    fr, source, where = found
-    yield _underflow_finding(
+    yield from _underflow(
         ctx,
-        fr,
-        source,
-        where,
-        f"{_pct(fr.lost)} of the gradients lose precision or vanish in {ctx.fmt.name} "
-        f"{where}: scale the loss (GradScaler)",
+        lambda lost, where: (
+            f"{_pct(lost)} of the gradients lose precision or vanish in "
+            f"{ctx.fmt.name} {where}: scale the loss (GradScaler)"
+        ),
     )
 
 
-@rule(id="scale-too-low", kind="loss_scale", needs=("grad_hist", "scaler"))
+@rule(id="scale-too-low", kind="loss_scale", needs=("steps", "scaler"))
 def scale_too_low(trace: Trace, ctx: Context) -> Iterator[Finding]:
     """With GradScaler, the scale in effect leaves most gradients subnormal or flushed."""
     if not ctx.scaler:
         return
-    found = _underflow(ctx)
-    if found is None:
-        return
-    fr, source, where = found
-    yield _underflow_finding(
+    yield from _underflow(
         ctx,
-        fr,
-        source,
-        where,
-        f"the loss scale is too low: {_pct(fr.lost)} of the gradients lose precision or "
-        f"vanish in {ctx.fmt.name} {where}",
+        lambda lost, where: (
+            f"the loss scale is too low: {_pct(lost)} of the gradients lose "
+            f"precision or vanish in {ctx.fmt.name} {where}"
+        ),
     )
 
 
@@ -1500,21 +1520,16 @@ def loss_spike(trace: Trace, ctx: Context) -> Iterator[Finding]:
     for i in range(3, len(losses)):
         prev = [v for _, v in losses[max(0, i - th.window) : i]]
         med = statistics.median(prev)
-        if (
-            med > 0
-            and losses[i][1] / med >= th.loss_spike
-            and (worst is None or losses[i][1] / med > worst[2])
-        ):
-            worst = (losses[i][0], losses[i][1], losses[i][1] / med, med)
+        ratio = losses[i][1] / med if med > 0 else 0.0
+        if ratio >= th.loss_spike and (worst is None or ratio > worst[2]):
+            worst = (losses[i][0], losses[i][1], ratio, med, len(prev))
     if worst is None:
         return
-    step, value, ratio, med = worst
-    evidence = [
-        f"loss {_n(value)} at step {step}; median of the {th.window} steps before {_n(med)}"
-    ]
+    step, value, ratio, med, n = worst
+    evidence = [f"loss {_n(value)} at step {step}; median of the {n} steps before {_n(med)}"]
     rec = ctx.steps.get(step)
     if rec is not None and _finite_pos(rec.grad_norm):
-        evidence.append(f"gradient norm at step {step}: {_n(rec.grad_norm)}")  # type: ignore[arg-type]
+        evidence.append(f"gradient norm at step {step}: {_n(rec.grad_norm)}")
     yield _finding(
         "warning",
         f"the loss spiked to {ratio:.3g}x its recent median at step {step}",
@@ -1534,21 +1549,20 @@ def input_range_shift(trace: Trace, ctx: Context) -> Iterator[Finding]:
         for s, v in first.forward_amax_by_step.items()
         if _finite_pos(v) and (ctx.fail_step is None or s <= ctx.fail_step)
     )
+    params = first.param_amax_by_step
     worst = None
-    for i in range(1, len(points)):
-        med = statistics.median(v for _, v in points[max(0, i - ctx.th.window) : i])
+    for i in range(2, len(points)):
+        window = points[max(0, i - ctx.th.window) : i]
+        med = statistics.median(v for _, v in window)
         step, v = points[i]
-        w_now = first.param_amax_by_step.get(step - 1)
-        w_then = first.param_amax_by_step.get(points[0][0])
-        steady = not (_finite_pos(w_now) and _finite_pos(w_then)) or (
-            max(w_now, w_then) / min(w_now, w_then) < 1.5  # type: ignore[type-var,operator]
-        )
-        if (
-            med > 0
-            and v / med >= ctx.th.input_jump
-            and steady
-            and (worst is None or v / med > worst[2])
-        ):
+        if not (med > 0 and v / med >= ctx.th.input_jump):
+            continue
+        # the weights in effect over the window and at this step: the updates of steps
+        # window[0] .. step - 1; with fewer than two of them, nothing says they held still
+        weights = [w for s, w in params.items() if window[0][0] <= s < step and _finite_pos(w)]
+        if params and (len(weights) < 2 or max(weights) / min(weights) >= ctx.th.weight_growth):
+            continue
+        if worst is None or v / med > worst[2]:
             worst = (step, v, v / med, med)
     if worst is None:
         return
@@ -1584,7 +1598,8 @@ def diagnose(trace: Trace, *, strict: bool = False, thresholds: Thresholds | Non
     The diagnosis is the error that explains ``trace.first_failure``, picked by
     :data:`PRECEDENCE`; errors that lose become warnings. Warnings are ranked by score (worst
     first) and capped at ``thresholds.max_warnings``. A rule that raises on a malformed trace
-    is reported as an info finding, unless ``strict``, where the exception propagates.
+    leaves a line in ``trace.notes`` and the others still run; with ``strict`` the exception
+    propagates.
     ``trace.recommendations`` is left to :func:`nanhunt.advise.advise`.
     """
     ctx = Context(trace, thresholds)
@@ -1598,14 +1613,7 @@ def diagnose(trace: Trace, *, strict: bool = False, thresholds: Thresholds | Non
         except Exception as exc:
             if strict:
                 raise
-            warnings.append(
-                Finding(
-                    rule=r.id,
-                    kind=r.kind,
-                    severity="info",
-                    message=f"rule {r.id} could not run on this trace: {type(exc).__name__}: {exc}",
-                )
-            )
+            trace.notes.append(f"rule {r.id} could not run: {type(exc).__name__}: {exc}")
             continue
         for finding in found:
             finding.rule = finding.rule or r.id

@@ -42,11 +42,30 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
         from .diagnose import diagnose
     except ImportError:  # pragma: no cover - during development only
         return trace
-    _guard(trace, "diagnosis", diagnose, trace, strict=strict)
+    _guard(trace, "diagnosis", diagnose, trace)
+    _promote_severe_underflow(trace)
     _guard(trace, "advice", advise, trace)
     if snapshot is not None:
         _guard(trace, "verification", zoom.verify, trace, snapshot)
     return trace
+
+
+#: a run that never went non-finite but loses this fraction of its gradients has a problem
+SEVERE_UNDERFLOW = 0.9
+
+
+def _promote_severe_underflow(trace: Trace) -> None:
+    """Gradients that (almost) all vanish are a range problem, not a warning: exit 1."""
+    if trace.diagnosis is not None or trace.problem:
+        return
+    for w in trace.warnings:
+        lost = w.data.get("subnormal", 0.0) + w.data.get("flushed", 0.0)
+        if w.kind in ("underflow", "loss_scale") and lost >= SEVERE_UNDERFLOW:
+            trace.warnings.remove(w)
+            w.severity = "error"
+            trace.diagnosis = w
+            trace.problem = True
+            return
 
 
 def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool = False,
@@ -59,9 +78,18 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
     except Exception as exc:
         trace = Trace(run=run, notes=[f"building the trace failed: {type(exc).__name__}: {exc}"])
         trace.problem = hunt.first_failure is not None
-    analyse(trace, hunt.snapshot, strict=strict, out_dir=out_dir)
-    if ctx is not None and ctx.world_size > 1:
-        trace = _guard(trace, "merging ranks", ctx.merge, trace) or trace
+    distributed = ctx is not None and ctx.world_size > 1
+    if distributed:
+        ctx.leave()  # peers waiting for this rank's next step-end vote stop now
+    # each rank keeps its own snapshot (OUT/ranks/rank-<r>/); rank 0 merges, only it reports
+    analyse(
+        trace,
+        hunt.snapshot,
+        strict=strict,
+        out_dir=ctx.rank_dir(out_dir) if distributed else out_dir,
+    )
+    if distributed:
+        trace = _guard(trace, "merging ranks", ctx.merge, trace, out_dir) or trace
         if ctx.rank != 0:
             return trace
     paths = _write(trace, out_dir, write_reports)

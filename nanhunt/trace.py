@@ -225,6 +225,9 @@ class Recommendation:
     module: str | None = None
     verified: bool = False
     verification: str = ""  # what the replay showed, or why it was not checked
+    # how to apply it, for the replay: clamp {"where": "output", "bound"} or {"where": "input",
+    # "min"}; fp32_module {"modules", "region", "cast_to"}; see docs/rules.md
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,0 +1,435 @@
+"""Distributed runs: the merge on hand-built traces, the step-end vote on an in-memory store, and
+real two-process DDP runs (gloo, CPU) under torchrun and ``nanhunt diagnose --nproc-per-node``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from nanhunt.distributed import (
+    RankContext,
+    RankResult,
+    _parse_payload,
+    _payload,
+    merge_rank_files,
+    merge_traces,
+    rank_file,
+    torchrun_command,
+)
+from nanhunt.errors import NanhuntError
+from nanhunt.report.files import atomic_write_text
+from nanhunt.trace import Failure, Finding, RunInfo, StepRecord, TensorStats, Trace
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+HARD_TIMEOUT = 120  # seconds: a hang fails the test instead of the CI job
+
+
+# ----------------------------------------------------------------------------- hand-built traces
+
+
+def _failure(step: int, phase: str, module: str = "fc", tensor: str = "output") -> Failure:
+    return Failure(
+        step=step,
+        phase=phase,
+        module=module,
+        tensor=tensor,
+        stats=TensorStats(dtype="float16", shape=[2], numel=2, nan=1),
+    )
+
+
+def _trace(
+    failure: Failure | None = None,
+    *,
+    steps: int = 3,
+    status: str = "stopped",
+    error: str | None = None,
+    snapshot: str | None = None,
+) -> Trace:
+    trace = Trace(
+        run=RunInfo(status=status, error=error),
+        first_failure=failure,
+        problem=failure is not None,
+        snapshot=snapshot,
+        steps=[StepRecord(index=i) for i in range(steps)],
+    )
+    if failure is not None:
+        trace.diagnosis = Finding(
+            rule="r", kind="overflow", severity="error", message="m", evidence=["own evidence"]
+        )
+    return trace
+
+
+def test_origin_is_the_rank_that_failed_first_by_step_then_phase():
+    results = [
+        RankResult(0, _trace(_failure(2, "optimizer"))),
+        RankResult(1, _trace(_failure(2, "data", "model", "input[0]"), snapshot="rank-1/s.pt")),
+        RankResult(2, _trace(_failure(3, "data"))),
+    ]
+    merged = merge_traces(results, 3)
+    assert merged.first_failure.rank == 1
+    assert (merged.first_failure.step, merged.first_failure.phase) == (2, "data")
+    assert merged.run.world_size == 3
+    assert merged.snapshot == "ranks/rank-1/s.pt"  # the origin's, relative to the merged report
+    origin_line = merged.diagnosis.evidence[0]
+    assert origin_line.startswith("rank 1 of 3 saw a non-finite value first (step 2, data)")
+    assert "rank 0 first at step 2, optimizer" in origin_line
+    assert merged.diagnosis.evidence[1] == "own evidence"
+    assert [(r.rank, r.answered, r.first_failure.rank) for r in merged.ranks] == [
+        (0, True, 0),
+        (1, True, 1),
+        (2, True, 2),
+    ]
+
+
+def test_every_rank_failing_alike_is_said():
+    results = [RankResult(r, _trace(_failure(3, "forward"))) for r in range(2)]
+    merged = merge_traces(results, 2)
+    assert merged.first_failure.rank == 0
+    assert "every rank (2 of 2) failed alike" in merged.first_failure.detail.lower()
+    assert merged.diagnosis.evidence[0].startswith("every rank (2 of 2) failed alike")
+
+
+def test_a_tie_at_different_places_names_the_lowest_rank():
+    results = [
+        RankResult(1, _trace(_failure(3, "forward", "a"))),
+        RankResult(0, _trace(_failure(3, "forward", "b"))),
+    ]
+    merged = merge_traces(results, 2)
+    assert merged.first_failure.rank == 0
+    assert "ranks 0, 1 failed in the same step and phase" in merged.diagnosis.evidence[0]
+
+
+def test_no_failure_anywhere_keeps_rank_0():
+    merged = merge_traces([RankResult(1, _trace(steps=5)), RankResult(0, _trace(steps=4))], 2)
+    assert merged.first_failure is None
+    assert len(merged.steps) == 4
+    assert [len(r.steps) for r in merged.ranks] == [4, 5]
+
+
+def test_missing_ranks_are_named_and_the_run_is_not_called_complete():
+    merged = merge_traces(
+        [RankResult(0, _trace(status="complete"))], 3, missing_reason="within 5 s"
+    )
+    assert [(r.rank, r.answered) for r in merged.ranks] == [(0, True), (1, False), (2, False)]
+    assert merged.run.status == "crashed"
+    assert any(n.startswith("ranks 1, 2 did not answer within 5 s") for n in merged.notes)
+
+
+def test_the_first_rank_to_crash_explains_the_run():
+    results = [
+        RankResult(
+            0, _trace(status="crashed", error="RuntimeError: Connection closed by peer"), ended=20.0
+        ),
+        RankResult(1, _trace(status="crashed", error="RuntimeError: planted"), ended=10.0),
+        RankResult(2, _trace(status="complete", steps=1), ended=5.0),
+    ]
+    merged = merge_traces(results, 3)
+    assert merged.run.status == "crashed"
+    assert merged.run.error == "rank 1: RuntimeError: planted"
+    assert "rank 1 raised: RuntimeError: planted" in merged.notes
+    assert "rank 0 raised later: RuntimeError: Connection closed by peer" in merged.notes
+    assert "rank 2's script ended (complete) after 1 steps, before rank 1 raised" in merged.notes
+
+
+def test_merging_nothing_is_an_error():
+    with pytest.raises(NanhuntError):
+        merge_traces([], 2)
+
+
+def test_rank_files_round_trip_and_stale_files_are_ignored(tmp_path):
+    res = RankResult(1, _trace(_failure(2, "data")), ended=1.5, run_id="abc")
+    path = rank_file(tmp_path, 1)
+    path.parent.mkdir(parents=True)
+    atomic_write_text(path, _payload(res, 2))
+    back = _parse_payload(path.read_text())
+    assert (back.rank, back.ended, back.run_id) == (1, 1.5, "abc")
+    assert back.trace.first_failure.phase == "data"
+    assert Trace.from_json(path.read_text()).first_failure.step == 2  # `nanhunt report` reads it
+    merged = merge_rank_files(tmp_path, 2)
+    assert [(r.rank, r.answered) for r in merged.ranks] == [(0, False), (1, True)]
+    assert merge_rank_files(tmp_path, 2, newer_than=time.time() + 60) is None
+
+
+def test_rank_context_from_env(monkeypatch, tmp_path):
+    for name in ("RANK", "WORLD_SIZE", "NANHUNT_RANK_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    assert not RankContext.from_env().distributed
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("NANHUNT_RANK_TIMEOUT", "7")
+    stale = rank_file(tmp_path, 1)
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")
+    ctx = RankContext.from_env(tmp_path)
+    assert (ctx.rank, ctx.world_size, ctx.timeout) == (1, 2, 7.0)
+    assert not stale.exists()  # a stale file from an earlier run must not be merged
+    monkeypatch.setenv("NANHUNT_RANK_TIMEOUT", "soon")
+    with pytest.raises(NanhuntError, match="NANHUNT_RANK_TIMEOUT"):
+        RankContext.from_env()
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(NanhuntError, match="not within WORLD_SIZE"):
+        RankContext.from_env()
+
+
+def test_torchrun_command_keeps_the_scripts_own_options():
+    cmd = torchrun_command(2, ["--out", "o", "--nproc-per-node=2", "t.py", "--nproc-per-node", "9"])
+    assert cmd[:5] == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+    ]
+    assert cmd[5:] == ["-m", "nanhunt", "diagnose", "--out", "o", "t.py", "--nproc-per-node", "9"]
+    assert torchrun_command(3, ["--nproc-per-node", "3", "-m", "pkg.train", "x"])[-3:] == [
+        "-m",
+        "pkg.train",
+        "x",
+    ]
+    assert torchrun_command(2, ["--", "-odd.py"])[-2:] == ["--", "-odd.py"]
+
+
+# ----------------------------------------------------------------------------- the step-end vote
+
+
+class _Store:
+    """The part of c10d's Store the vote uses, in memory and thread-safe."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+
+    def set(self, key, value):
+        with self.lock:
+            self.data[key] = value
+
+    def add(self, key, n):
+        with self.lock:
+            value = int(self.data.get(key, b"0")) + n
+            self.data[key] = str(value).encode()
+            return value
+
+    def check(self, keys):
+        with self.lock:
+            return all(k in self.data for k in keys)
+
+    def delete_key(self, key):
+        with self.lock:
+            return self.data.pop(key, None) is not None
+
+
+class _Hunt:
+    def __init__(self, failing: bool = False) -> None:
+        self.stop_on_problem = True
+        self.first_failure = object() if failing else None
+        self.stopped = False
+
+    def request_stop(self) -> None:
+        self.stopped = True
+
+
+def _contexts(store: _Store, n: int, timeout: float = 10.0) -> list[RankContext]:
+    return [RankContext(rank=r, world_size=n, timeout=timeout, _store=store) for r in range(n)]
+
+
+def _vote_all(ctxs, hunts, step):
+    threads = [threading.Thread(target=c._vote, args=(step, h)) for c, h in zip(ctxs, hunts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_one_rank_failing_stops_every_rank_at_that_step():
+    store = _Store()
+    ctxs = _contexts(store, 3)
+    hunts = [_Hunt(), _Hunt(), _Hunt()]
+    for step in range(3):
+        _vote_all(ctxs, hunts, step)
+    assert not any(h.stopped for h in hunts)
+    assert "v0/0" not in store.data  # votes two steps back are cleaned up
+    hunts[2].first_failure = object()
+    _vote_all(ctxs, hunts, 3)
+    assert all(h.stopped for h in hunts)
+
+
+def test_a_rank_that_left_releases_its_peers_at_once():
+    store = _Store()
+    ctx0, ctx1 = _contexts(store, 2)
+    ctx1.leave()  # raised before its first step end
+    hunt = _Hunt()
+    start = time.monotonic()
+    ctx0._vote(0, hunt)
+    assert hunt.stopped
+    assert time.monotonic() - start < 2
+
+
+def test_a_silent_rank_times_out_and_is_named():
+    store = _Store()
+    ctx0, _ = _contexts(store, 2, timeout=0.2)
+    hunt = _Hunt()
+    ctx0._vote(0, hunt)
+    assert hunt.stopped
+    assert ctx0.notes
+    assert "rank 1 did not answer" in ctx0.notes[0]
+    hunt2 = _Hunt()
+    ctx0._vote(1, hunt2)  # gave up: no second wait
+    assert not hunt2.stopped
+
+
+def test_keep_going_runs_do_not_vote():
+    store = _Store()
+    ctx0, _ = _contexts(store, 2, timeout=0.2)
+    hunt = _Hunt()
+    hunt.stop_on_problem = False
+    ctx0._vote(0, hunt)
+    assert not store.data
+    assert not hunt.stopped
+
+
+# ----------------------------------------------------------------------------- real runs
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", NANHUNT_RANK_TIMEOUT="30", OMP_NUM_THREADS="1")
+    try:
+        return subprocess.run(
+            cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=HARD_TIMEOUT
+        )
+    except subprocess.TimeoutExpired as exc:  # pragma: no cover - the failure being tested
+        pytest.fail(f"hung: {cmd} did not finish in {HARD_TIMEOUT} s\n{exc.stderr}")
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "nanhunt",
+        "diagnose",
+        *args,
+    ]
+
+
+def _nanhunt(*args: str) -> list[str]:
+    return [sys.executable, "-m", "nanhunt", "diagnose", "--nproc-per-node", "2", *args]
+
+
+def _report(path: Path) -> dict:
+    return json.loads((path / "report.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", [_torchrun, _nanhunt], ids=["torchrun", "nproc-per-node"])
+def test_a_nan_in_rank_1s_batch_names_rank_1(launcher, tmp_path):
+    proc = _run(
+        launcher(
+            "--quiet",
+            "--out",
+            "out",
+            str(EXAMPLES / "ddp_nan_batch.py"),
+            "--nan-rank",
+            "1",
+            "--nan-step",
+            "2",
+        ),
+        tmp_path,
+    )
+    assert proc.returncode != 0
+    if launcher is _nanhunt:
+        assert proc.returncode == 1, proc.stderr
+    report = _report(tmp_path / "out")
+    ff = report["first_failure"]
+    assert (ff["rank"], ff["step"], ff["phase"]) == (1, 2, "data"), proc.stderr
+    assert report["run"]["world_size"] == 2
+    ranks = report["ranks"]
+    assert [(r["rank"], r["answered"]) for r in ranks] == [(0, True), (1, True)]
+    assert ranks[0]["first_failure"] is None  # rank 0's own batches were clean
+    assert [len(r["steps"]) for r in ranks] == [3, 3]  # both stopped after step 2
+    assert "rank 1 of 2 saw a non-finite value first" in ff["detail"].lower()
+    assert (tmp_path / "out" / "ranks" / "rank-0.json").exists()
+    assert (tmp_path / "out" / "ranks" / "rank-1.json").exists()
+
+
+@pytest.mark.slow
+def test_an_overflow_on_every_rank_is_reported_for_all_ranks(tmp_path):
+    proc = _run(_torchrun("--quiet", "--out", "out", str(EXAMPLES / "ddp_overflow.py")), tmp_path)
+    assert proc.returncode != 0
+    report = _report(tmp_path / "out")
+    ff = report["first_failure"]
+    assert (ff["step"], ff["phase"], ff["module"]) == (3, "forward", "encoder.blocks.1.ffn.wo")
+    assert "every rank (2 of 2) failed alike" in ff["detail"].lower()
+    for r in report["ranks"]:
+        assert r["answered"]
+        assert (r["first_failure"]["step"], r["first_failure"]["module"]) == (
+            3,
+            "encoder.blocks.1.ffn.wo",
+        )
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_does_not_hang_the_run(tmp_path):
+    proc = _run(
+        _nanhunt(
+            "--out",
+            "out",
+            str(EXAMPLES / "ddp_nan_batch.py"),
+            "--nan-rank",
+            "-1",
+            "--raise-rank",
+            "1",
+            "--raise-step",
+            "3",
+        ),
+        tmp_path,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert "planted failure at step 3" in proc.stderr  # the user's traceback, as Python prints it
+    report = _report(tmp_path / "out")
+    assert report["run"]["status"] == "crashed"
+    assert report["run"]["error"] == "rank 1: RuntimeError: rank 1: planted failure at step 3"
+    assert [r["answered"] for r in report["ranks"]] == [True, True]
+    assert "rank 1 raised: RuntimeError: rank 1: planted failure at step 3" in report["notes"]
+
+
+KILLED = textwrap.dedent("""
+    import os, signal
+    import torch, torch.distributed as dist, torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(5):
+        if rank == 1 and step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)   # the OOM killer, say
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+""")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_as_not_answering(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    proc = _run(_torchrun("--quiet", "--out", "out", str(script)), tmp_path)
+    assert proc.returncode != 0
+    report = _report(tmp_path / "out")
+    assert [(r["rank"], r["answered"]) for r in report["ranks"]] == [(0, True), (1, False)]
+    assert report["run"]["status"] == "crashed"
+    assert any(n.startswith("rank 1 did not answer") for n in report["notes"]), report["notes"]

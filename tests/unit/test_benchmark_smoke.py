@@ -1,0 +1,49 @@
+"""benchmarks/overhead.py runs end to end and writes its JSON (no assertions on timings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
+
+
+def test_overhead_quick_writes_every_variant(tmp_path):
+    out = tmp_path / "overhead.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--quick",
+            "--models",
+            "mlp",
+            "--precisions",
+            "fp32",
+            "--steps",
+            "2",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["schema_version"] == 1
+    assert doc["machine"]["torch_version"]
+    rows = {r["variant"]: r for r in doc["results"]}
+    assert set(rows) == {"plain", "nanhunt", "nanhunt-sampled", "detect_anomaly", "naive"}
+    for row in rows.values():
+        assert row["model"] == "mlp"
+        assert row["precision"] == "fp32"
+        assert row["median_ms"] > 0
+        assert row["n_steps"] == 2
+        assert row["failures"] == 0
+    assert doc["memory"][0]["nanhunt_host_peak_bytes"] > 0
+    assert [r["steps"] for r in doc["growth"]["runs"]] == [5, 10]
