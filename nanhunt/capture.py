@@ -136,6 +136,7 @@ def _variable_name(obj: object) -> str | None:
 
 
 _THIS_PACKAGE_DIR = __file__.rsplit("/", 1)[0]
+_MAX_ANCESTOR_COPY = 20_000_000  # parameters: larger enclosing modules are not copied
 _HIST_OFFSET = 320  # gradient histograms span binades -320..319 (room to unscale)
 
 
@@ -244,6 +245,9 @@ class Snapshot:
     step: int
     stale_inputs: list[str] = field(default_factory=list)
     call_site: tuple[str, int, str] | None = None  # where the parent's forward calls it
+    # enclosing module calls (nearest first), to verify a fix over a region: not saved to disk
+    ancestors: list[Snapshot] = field(default_factory=list)
+    names: dict[str, str] = field(default_factory=dict)  # submodule path -> name in the trace
 
 
 # ----------------------------------------------------------------------------- the session
@@ -1165,6 +1169,29 @@ class Hunt:
                                  call_site=self._call_site(call))
         if f.phase == "data":
             self._bad_samples(call)
+        else:
+            self.snapshot.ancestors = self._ancestor_snapshots(call)
+
+    def _ancestor_snapshots(self, call: _Call) -> list[Snapshot]:
+        out: list[Snapshot] = []
+        parent = call.parent
+        while parent is not None:
+            c = self._calls[parent]
+            params = sum(p.numel() for p in c.module.parameters())
+            if c.args is None or params > _MAX_ANCESTOR_COPY:
+                break
+            try:
+                module = copy.deepcopy(c.module)
+                args, kwargs = _clone_tree(c.args), _clone_tree(c.kwargs)
+            except Exception:
+                break
+            names = {rel: self._names.get(m) or (f"{c.name}.{rel}" if rel else c.name)
+                     for rel, m in c.module.named_modules()}
+            out.append(Snapshot(module=module, name=c.name, args=args, kwargs=kwargs,
+                                grad_outputs=None, autocast=c.autocast, phase="forward",
+                                step=self._step, names=names))
+            parent = c.parent
+        return out
 
     def _call_site(self, call: _Call) -> tuple[str, int, str] | None:
         """The line in the parent's forward that calls the culprit (file, line, text)."""

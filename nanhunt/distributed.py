@@ -61,6 +61,7 @@ _DEFAULT_TIMEOUT = 60.0
 _TERM_GRACE_WRITING = 20.0
 _TERM_GRACE = 2.0
 _POLL = 0.05
+_LAUNCHER_ENV = "NANHUNT_LAUNCHER"  # set for the workers of `nanhunt diagnose --nproc-per-node`
 _META_KEY = "nanhunt_rank"  # extra top-level key of a rank file; Trace.from_dict ignores it
 _ENDED = ("crashed", "interrupted")
 _PHASE_ORDER = {phase: i for i, phase in enumerate(PHASES)}
@@ -536,15 +537,17 @@ class RankContext:
         """The process's exit code. Rank 0's carries the merged result. Another rank that found a
         problem and stopped with the others exits 0: torchrun stops every worker as soon as one
         exits non-zero, which would cut rank 0's merged report short. A rank that crashed keeps
-        its code, so that torchrun releases peers blocked in a collective."""
+        its code, so that torchrun releases peers blocked in a collective. Under
+        ``nanhunt diagnose --nproc-per-node``, rank 0 too exits 0 after a problem every rank
+        reported (the launcher reads the code from the report), which keeps torchrun's failure
+        summary from burying nanhunt's."""
         from .cli import EXIT_PROBLEM
 
-        if (
-            self.distributed
-            and self.rank != 0
-            and code == EXIT_PROBLEM
-            and trace.run.status not in _ENDED
-        ):
+        if not self.distributed or code != EXIT_PROBLEM or trace.run.status in _ENDED:
+            return code
+        if self.rank != 0:
+            return 0
+        if os.environ.get(_LAUNCHER_ENV) and trace.ranks and all(r.answered for r in trace.ranks):
             return 0
         return code
 
@@ -654,7 +657,7 @@ def launch(nproc: int, argv: list[str]) -> int:
     out_dir = Path(opts.out)
     started = time.time()
     interrupted = False
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env={**os.environ, _LAUNCHER_ENV: "1"})
     try:
         rc = proc.wait()
     except KeyboardInterrupt:  # torchrun got the SIGINT too and stops its workers

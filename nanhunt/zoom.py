@@ -98,13 +98,18 @@ def _node_source() -> tuple[str | None, str | None]:
 class _OpRecorder(TorchDispatchMode):
     """Record every aten op's output range; remember the first non-finite one."""
 
-    def __init__(self) -> None:
+    def __init__(self, op_floor: tuple[str, float] | None = None) -> None:
         super().__init__()
         self.ops: list[OpRecord] = []
         self.first: OpRecord | None = None
         self.dropped = 0
+        self.op_floor = op_floor  # (op name, minimum): clamp that op's first input (a fix)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: A002
+        if self.op_floor and torch._C._current_graph_task_id() == -1 and args and \
+                str(getattr(func, "overloadpacket", "")) == f"aten.{self.op_floor[0]}" and \
+                isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            args = (args[0].clamp_min(self.op_floor[1]), *args[1:])
         out = func(*args, **(kwargs or {}))
         leaves: list = []
         tensor_leaves(out, "", leaves)
@@ -169,7 +174,9 @@ def _device_type(snap: Snapshot) -> str:
 
 
 def replay(snap: Snapshot, dtype: str | None = None, *, module_fix: Any = None,
-           output_fix: Any = None, backward: bool | None = None) -> ReplayResult:
+           output_fix: Any = None, input_fix: Any = None,
+           op_floor: tuple[str, float] | None = None,
+           backward: bool | None = None) -> ReplayResult:
     """Run the snapshot's module on its captured inputs under the op recorder.
 
     ``dtype`` None replays as captured (same autocast state); "float32" etc. converts the
@@ -188,6 +195,9 @@ def replay(snap: Snapshot, dtype: str | None = None, *, module_fix: Any = None,
         module_fix(module)
     args = _to_dtype(snap.args, target_dtype, want_backward)
     kwargs = _to_dtype(snap.kwargs or {}, target_dtype, False)
+    if input_fix is not None:
+        with torch.no_grad():
+            args = _map_tensors(args, lambda t: input_fix(t).requires_grad_(t.requires_grad))
     device_type = _device_type(snap)
     if target_dtype is None:
         enabled, ac_dtype = snap.autocast
@@ -195,7 +205,7 @@ def replay(snap: Snapshot, dtype: str | None = None, *, module_fix: Any = None,
         enabled, ac_dtype = False, None
     autocast = (torch.autocast(device_type, dtype=ac_dtype, enabled=True) if enabled and ac_dtype
                 else torch.autocast(device_type, enabled=False))
-    recorder = _OpRecorder()
+    recorder = _OpRecorder(op_floor)
     try:
         with torch.enable_grad(), torch.autograd.set_detect_anomaly(True, check_nan=False):
             with autocast, recorder:
@@ -273,67 +283,144 @@ def _matches(rec_module: str | None, name: str) -> bool:
 
 
 def verify(trace: Trace, snap: Snapshot) -> None:
-    """Check each recommendation that a replay of the culprit can check, and say how."""
+    """Check each recommendation that a replay of the culprit can check, and say how.
+
+    A recommendation is marked verified only when a replay with the fix applied ran and came
+    out finite (and, for float32 regions, back inside the target's range after the cast back).
+    """
     fmt = get_format(trace.run.target)
-    low = _DTYPES.get(fmt.name)
     if snap.stale_inputs:
         for rec in trace.recommendations:
             rec.verification = "not checked: the captured inputs changed in place after capture"
         return
     baseline = replay(snap)
-    failed_before = baseline.first is not None or not baseline.outputs_finite or \
+    reproduced = baseline.first is not None or not baseline.outputs_finite or \
         baseline.grads_finite is False
     for rec in trace.recommendations:
-        if not _matches(rec.module, snap.name):
-            if not rec.verification:
-                rec.verification = _why_not(rec.type)
+        if rec.type not in ("fp32_module", "clamp", "eps") or rec.data.get("where") == "optimizer":
+            rec.verification = rec.verification or _why_not(rec.type)
             continue
-        if not failed_before:
-            rec.verification = (f"not checked: replaying {snap.name} alone did not reproduce "
-                                "the failure")
+        if not reproduced:
+            rec.verification = (f"not checked: replaying {snap.name} alone on its captured "
+                                "inputs did not reproduce the failure")
             continue
         if rec.type == "fp32_module":
-            r = replay(snap, "float32")
-            fits = r.outputs_finite and r.output_amax <= fmt.max and r.grads_finite is not False
-            rec.verified = bool(fits and r.error is None)
-            if r.error:
-                rec.verification = f"replay in float32 raised {r.error}"
-            elif fits:
-                rec.verification = (
-                    f"replayed {snap.name} in float32 on the step-{snap.step} inputs: output "
-                    f"amax {r.output_amax:.3g} fits {fmt.name} (max {fmt.max:g}), all finite")
-            else:
-                rec.verification = (
-                    f"replayed {snap.name} in float32: output amax {r.output_amax:.3g} still "
-                    f"exceeds {fmt.name}'s max {fmt.max:g} when cast back; keep the float32 "
-                    "region going until a normalisation brings values back in range")
+            _verify_fp32(rec, snap, fmt)
         elif rec.type == "clamp":
-            bound = float(rec.value) if isinstance(rec.value, (int, float)) else fmt.max
+            _verify_clamp(rec, snap)
+        elif rec.type == "eps":
+            _verify_eps(rec, snap)
 
-            def clamp(out: Any, bound: float = bound) -> Any:
-                return _map_tensors(out, lambda t: torch.clamp(t, -bound, bound))
 
-            r = replay(snap, output_fix=clamp)
-            rec.verified = r.outputs_finite and r.error is None
-            rec.verification = (
-                f"replayed {snap.name} with its output clamped to ±{bound:g}: "
-                + ("all finite" if rec.verified else "NaN values remain (clamping cannot "
-                   "repair NaN; run the module in float32 instead)"))
-        elif rec.type == "eps" and hasattr(snap.module, "eps"):
-            value = float(rec.value)
+def _finite(r: ReplayResult) -> bool:
+    return r.error is None and r.first is None and r.outputs_finite and r.grads_finite is not False
 
-            def set_eps(m: Any, value: float = value) -> None:
-                m.eps = value
 
-            r = replay(snap, module_fix=set_eps)
-            rec.verified = r.first is None and r.outputs_finite and r.grads_finite is not False
-            rec.verification = (f"replayed {snap.name} with eps={value:g}: "
-                                + ("all finite" if rec.verified else "still non-finite"))
-        elif rec.type in ("fp32_module", "clamp", "eps"):
-            rec.verification = _why_not(rec.type)
-        else:
-            rec.verification = _why_not(rec.type)
-        del low
+def _verify_fp32(rec: Any, snap: Snapshot, fmt: Any) -> None:
+    region = [str(m) for m in rec.data.get("region") or [rec.module or snap.name]]
+    cast_to = rec.data.get("cast_to")
+    if region == [snap.name] or (len(region) == 1 and fnmatch.fnmatchcase(snap.name, region[0])):
+        r = replay(snap, "float32")
+        fits = _finite(r) and r.output_amax <= fmt.max
+        rec.verified = fits
+        rec.verification = (
+            f"replayed {snap.name} in float32 on the step-{snap.step} inputs: output amax "
+            f"{r.output_amax:.3g} " + ("fits " + fmt.name + f" (max {fmt.max:g}), all finite"
+                                       if fits else f"still exceeds {fmt.name}'s max "
+                                       f"{fmt.max:g} when cast back" if r.error is None
+                                       else f"(the replay raised {r.error})"))
+        return
+    for anc in snap.ancestors:
+        names = {full: rel for rel, full in anc.names.items()}
+        chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in region)]
+        if snap.name not in chosen or not all(
+                any(fnmatch.fnmatchcase(n, p) for n in chosen) for p in region):
+            continue
+        last = chosen[-1]
+
+        def wrap(module: Any, chosen: list[str] = chosen, names: dict = names,
+                 last: str = last) -> None:
+            for full in chosen:
+                rel = names[full]
+                _run_in_float32(module.get_submodule(rel),
+                                _DTYPES.get(cast_to) if full == last else None)
+
+        r = replay(anc, module_fix=wrap)
+        rec.verified = _finite(r)
+        rec.verification = (
+            f"replayed {anc.name} on its step-{snap.step} inputs with {', '.join(chosen)} in "
+            f"float32{' (cast back to ' + cast_to + ' after ' + last + ')' if cast_to else ''}"
+            + (": all finite" if rec.verified else ": still non-finite"
+               + (f" ({r.error})" if r.error else "")))
+        return
+    if not any(fnmatch.fnmatchcase(snap.name, p) for p in region):
+        rec.verification = (f"not checked: the replay captured {snap.name}, which this "
+                            "recommendation does not change")
+    else:
+        rec.verification = ("not checked: no captured call encloses the whole float32 region "
+                            f"({', '.join(region)})")
+
+
+def _run_in_float32(module: Any, cast_to: torch.dtype | None) -> None:
+    forward = module.forward
+
+    def fp32_forward(*args: Any, **kwargs: Any) -> Any:
+        device = next((t.device.type for t in _tensors(args)), "cpu")
+        with torch.autocast(device, enabled=False):
+            out = forward(*_map_tensors(args, lambda t: t.float()),
+                          **_map_tensors(kwargs, lambda t: t.float()))
+        return _map_tensors(out, lambda t: t.to(cast_to)) if cast_to else out
+
+    module.forward = fp32_forward
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    leaves: list = []
+    tensor_leaves(obj, "", leaves)
+    return [t for _, t in leaves]
+
+
+def _verify_clamp(rec: Any, snap: Snapshot) -> None:
+    where = rec.data.get("where", "output")
+    value = float(rec.value) if isinstance(rec.value, (int, float)) else None
+    if where == "output":
+        bound = float(rec.data.get("bound", value))
+        r = replay(snap, output_fix=lambda out: _map_tensors(
+            out, lambda t: torch.clamp(t, -bound, bound)))
+        what = f"its output clamped to ±{bound:g}"
+    elif where == "input":
+        low = float(rec.data.get("min", value))
+        r = replay(snap, input_fix=lambda t: t.clamp_min(low))
+        what = f"its inputs floored at {low:g}"
+    elif where == "op_input":
+        op, low = str(rec.data.get("op")), float(rec.data.get("min", value))
+        r = replay(snap, op_floor=(op, low))
+        what = f"the input of aten.{op} floored at {low:g}"
+    else:
+        rec.verification = _why_not(rec.type)
+        return
+    # an output clamp acts after the op that overflowed: judge what comes out
+    rec.verified = r.error is None and r.outputs_finite if where == "output" else _finite(r)
+    rec.verification = f"replayed {snap.name} with {what}: " + (
+        "all finite" if rec.verified else "still non-finite"
+        + (f" ({r.error})" if r.error else ""))
+
+
+def _verify_eps(rec: Any, snap: Snapshot) -> None:
+    attrs = [a for a in rec.data.get("attrs", ("eps",)) if hasattr(snap.module, a)]
+    if not attrs:
+        rec.verification = f"not checked: {snap.name} has no eps attribute to change"
+        return
+    value = float(rec.value)
+
+    def set_eps(m: Any) -> None:
+        for a in attrs:
+            setattr(m, a, value)
+
+    r = replay(snap, module_fix=set_eps)
+    rec.verified = _finite(r)
+    rec.verification = f"replayed {snap.name} with {attrs[0]}={value:g}: " + (
+        "all finite" if rec.verified else "still non-finite")
 
 
 def _why_not(kind: str) -> str:
