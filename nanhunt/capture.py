@@ -1071,7 +1071,9 @@ class Hunt:
         origin = find_origin([r for r in recs if r.phase in ("data", "forward")], parents, None)
         if origin is None:
             return False
-        return any(m.role == "output" and m.parent is None and r[1] + r[2] + r[3] > 0
+        roots = {c for c, p in parents.items() if p is None}
+        return any(m.role == "output" and r[1] + r[2] + r[3] > 0
+                   and ({m.producer, *m.also_producers} & roots)
                    for m, r in zip(d.metas, d.rows))
 
     def _recs(self, d: _StepData) -> tuple[list[Rec], dict[int, int | None]]:

@@ -562,9 +562,14 @@ def print_replay(snap: Snapshot, result: ReplayResult, console: Any) -> None:
         table.add_column(col, overflow="fold")
     for op in result.ops:
         mark = "[bold red]▶[/] " if op.first_nonfinite else ""
+        source = op.source or ""
+        if source:
+            where, _, text = source.partition("  ")
+            path, _, line = where.rpartition(":")
+            source = f"{Path(path).name}:{line}" + (f"  {text}" if text else "")
         table.add_row(str(op.index), mark + op.op, op.phase, op.dtype,
                       f"{op.amax:.3g}" if math.isfinite(op.amax) else str(op.amax),
-                      str(op.nonfinite), op.source or "")
+                      str(op.nonfinite), source)
     console.print(table)
     if result.dropped_ops:
         console.print(f"… {result.dropped_ops} more ops not shown")
@@ -575,3 +580,7 @@ def print_replay(snap: Snapshot, result: ReplayResult, console: Any) -> None:
                       + (f" at {result.first.source}" if result.first.source else ""))
     else:
         console.print("every op produced finite values in this replay")
+    for name, fmt in (("float16", get_format("float16")),):
+        if result.output_amax > fmt.max:
+            console.print(f"the output's amax {result.output_amax:.3g} exceeds {name}'s max "
+                          f"{fmt.max:g}: it overflows when cast back to {name}")

@@ -197,6 +197,21 @@ def test_torchrun_command_keeps_the_scripts_own_options():
     assert torchrun_command(2, ["--", "-odd.py"])[-2:] == ["--", "-odd.py"]
 
 
+def test_exit_codes_keep_torchrun_from_cutting_rank_0_short(monkeypatch):
+    monkeypatch.delenv("NANHUNT_LAUNCHER", raising=False)
+    found = _trace(_failure(2, "data"))
+    crashed = _trace(_failure(2, "data"), status="crashed")
+    merged = merge_traces([RankResult(0, found), RankResult(1, found)], 2)
+    rank0, rank1 = RankContext(rank=0, world_size=2), RankContext(rank=1, world_size=2)
+    assert rank1.exit_code(1, found) == 0  # reported, stopped with the others
+    assert rank1.exit_code(1, crashed) == 1  # crashed: torchrun must release its peers
+    assert rank1.exit_code(3, crashed) == 3
+    assert rank0.exit_code(1, merged) == 1  # bare torchrun: rank 0 carries the merged result
+    monkeypatch.setenv("NANHUNT_LAUNCHER", "1")
+    assert rank0.exit_code(1, merged) == 0  # the launcher reads it from report.json
+    assert RankContext().exit_code(1, found) == 1
+
+
 # ----------------------------------------------------------------------------- the step-end vote
 
 

@@ -1,0 +1,148 @@
+"""Op-level zoom, snapshots and verification on small CPU modules."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+import nanhunt
+from nanhunt import zoom
+from nanhunt.pipeline import analyse
+
+
+class LogLoss(nn.Module):
+    def forward(self, p, y):
+        picked = p.gather(1, y[:, None])
+        return -torch.log(picked).mean()  # log(0) when a probability is 0
+
+
+class RMS(nn.Module):
+    def forward(self, x):
+        rms = torch.sqrt(x.pow(2).mean(-1, keepdim=True))  # sqrt(0): inf derivative
+        return x / rms.clamp_min(1e-3)
+
+
+def test_forward_op_and_source_line_of_a_log_of_zero():
+    model = nn.Sequential(nn.Linear(4, 3), nn.Softmax(-1))
+    criterion = LogLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt) as hunt:
+        with torch.no_grad():
+            model[0].weight.zero_()
+            model[0].bias.copy_(torch.tensor([0.0, 200.0, 0.0]))  # softmax -> exactly 0
+        loss = criterion(model(torch.randn(5, 4)), torch.zeros(5, dtype=torch.long))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    f = hunt.first_failure
+    assert (f.step, f.phase, f.module, f.tensor) == (0, "forward", "criterion", "output")
+    trace = analyse(hunt.trace(), hunt.snapshot)
+    assert trace.first_failure.op == "aten.log"
+    assert trace.first_failure.source.endswith(f"{__file__}:{_line('torch.log(picked)')}")
+    assert "torch.log(picked)" in trace.first_failure.source_line
+    assert trace.diagnosis.kind == "nan_op"
+    clamp = next(r for r in trace.recommendations if r.type == "clamp")
+    assert clamp.verified, clamp.verification
+
+
+def test_backward_op_is_traced_to_the_forward_line():
+    model = nn.Sequential(nn.Linear(4, 4), RMS())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt) as hunt:
+        with torch.no_grad():
+            model[0].weight.zero_()
+            model[0].bias.zero_()
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    f = hunt.first_failure
+    assert (f.phase, f.module, f.tensor) == ("backward", "1", "grad_input[0]")
+    trace = analyse(hunt.trace(), hunt.snapshot)
+    assert trace.first_failure.op == "aten.div"
+    assert "torch.sqrt(x.pow(2)" in trace.first_failure.source_line
+    assert trace.first_failure.source.endswith(f":{_line('rms = torch.sqrt')}")
+
+
+def _line(fragment: str) -> int:
+    lines = open(__file__).read().splitlines()
+    return next(i + 1 for i, line in enumerate(lines) if fragment in line and "_line(" not in line)
+
+
+class Wide(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((8, 8), scale))
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight) / 10
+
+
+def _overflow_snapshot(scale: float):
+    model = Wide(scale)
+    with nanhunt.watch(model) as hunt, torch.autocast("cpu", dtype=torch.float16):
+        model(torch.full((2, 8), 100.0))
+    assert hunt.first_failure is not None
+    return hunt
+
+
+@pytest.mark.parametrize(("scale", "fits"), [(100.0, True), (1e4, False)])
+def test_float32_verification_depends_on_the_replay(scale, fits):
+    # 8 * 100 * 100 = 8e4 overflows fp16 inside the module; / 10 fits when kept in float32;
+    # 8 * 100 * 1e4 / 10 = 8e5 overflows even when computed in float32 and cast back
+    hunt = _overflow_snapshot(scale)
+    snap = hunt.snapshot
+    assert zoom.replay(snap).first.op == "aten.mm"
+    r32 = zoom.replay(snap, "float32")
+    assert r32.first is None and r32.outputs_finite
+    assert (r32.output_amax <= 65504) is fits
+    trace = analyse(hunt.trace(), snap)
+    rec = next(r for r in trace.recommendations if r.type == "fp32_module")
+    assert rec.verified is fits, rec.verification
+
+
+def test_snapshot_round_trip_and_replay_output(tmp_path):
+    hunt = _overflow_snapshot(100.0)
+    path = tmp_path / "snapshot.pt"
+    zoom.save_snapshot(hunt.snapshot, path)
+    snap = zoom.load_snapshot(path)
+    assert snap.name == "Wide" and snap.autocast == (True, torch.float16)
+    result = zoom.replay(snap)
+    out = io.StringIO()
+    zoom.print_replay(snap, result, Console(file=out, width=100, color_system=None))
+    text = out.getvalue()
+    assert "▶ aten.mm" in text
+    assert "first non-finite value: aten.mm (forward)" in text
+
+
+def test_load_snapshot_errors(tmp_path):
+    with pytest.raises(nanhunt.NanhuntError, match="no such snapshot"):
+        zoom.load_snapshot(tmp_path / "missing.pt")
+    bad = tmp_path / "bad.pt"
+    torch.save({"format": "other"}, bad)
+    with pytest.raises(nanhunt.NanhuntError, match="not a nanhunt snapshot"):
+        zoom.load_snapshot(bad)
+
+
+def test_stale_inputs_are_detected_not_trusted():
+    class Inplace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            x.mul_(0)  # changes the captured input of fc after fc ran
+            return y * float("inf")
+
+    model = Inplace()
+    with nanhunt.watch(model) as hunt:
+        model(torch.ones(2, 4))
+    assert hunt.first_failure.module == "Inplace"
+    assert hunt.snapshot.stale_inputs == ["input[0]"]
+    trace = analyse(hunt.trace(), hunt.snapshot)
+    assert any("changed in place after capture" in n for n in trace.notes)
+    assert all(not r.verified for r in trace.recommendations)
