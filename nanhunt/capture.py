@@ -180,6 +180,7 @@ class _Call:
     autocast: tuple[bool, torch.dtype | None] = (False, None)
     output_rows: list[int] = field(default_factory=list)
     input_rows: list[int] = field(default_factory=list)
+    mutated_inputs: list[str] = field(default_factory=list)  # changed in place by the call
 
 
 @dataclass
@@ -638,6 +639,7 @@ class Hunt:
                 consumer_paths=[] if mutated else [path],
             )
             if mutated:  # changed in place by this very call: its output, in effect
+                call.mutated_inputs.append(path)
                 meta.order, meta.module, meta.role = self._next_order(), name, "output"
                 meta.tensor, meta.producer, meta.parent = f"{path} (changed in place)", \
                     frame.call, parent
@@ -1149,7 +1151,7 @@ class Hunt:
         call = next((c for c in reversed(self._calls) if c.name == f.module), None)
         if call is None or call.args is None:
             return
-        stale = []
+        stale = list(call.mutated_inputs)
         for path, t in _call_leaves(call.args, call.kwargs):
             idx = self._lookup(t)
             if idx is None and _stats.summarizable(t) and id(t) in self._seen:

@@ -45,7 +45,7 @@ def run_cli(tmp_path):
     def run(*args: str, cmd: list[str] | None = None, cwd: Path | None = None,
             timeout: float = 180) -> Result:
         cmd = cmd or [sys.executable, "-m", "nanhunt"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         proc = subprocess.run([*cmd, *args], cwd=cwd or tmp_path, capture_output=True,
                               text=True, timeout=timeout, env=env)
         return Result(proc, (cwd or tmp_path) / "nanhunt-report")
