@@ -47,6 +47,9 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
     _guard(trace, "advice", advise, trace)
     if snapshot is not None:
         _guard(trace, "verification", zoom.verify, trace, snapshot)
+    for rec in trace.recommendations:
+        if not rec.verification:
+            rec.verification = zoom.why_not_verified(rec.type, captured=snapshot is not None)
     return trace
 
 

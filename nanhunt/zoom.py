@@ -35,6 +35,7 @@ __all__ = [
     "replay",
     "save_snapshot",
     "verify",
+    "why_not_verified",
     "zoom_into",
 ]
 
@@ -421,6 +422,13 @@ def _verify_eps(rec: Any, snap: Snapshot) -> None:
     rec.verified = _finite(r)
     rec.verification = f"replayed {snap.name} with {attrs[0]}={value:g}: " + (
         "all finite" if rec.verified else "still non-finite")
+
+
+def why_not_verified(kind: str, *, captured: bool = True) -> str:
+    """Why a recommendation of this type was not checked by a replay."""
+    if not captured and kind in ("fp32_module", "clamp", "eps"):
+        return "not checked: no culprit module call was captured to replay"
+    return _why_not(kind)
 
 
 def _why_not(kind: str) -> str:
