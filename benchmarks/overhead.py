@@ -2,13 +2,13 @@
 
 Run from the repository root::
 
-    python benchmarks/overhead.py                      # the default CPU plan (about 4 minutes)
-    python benchmarks/overhead.py --device cuda        # every model in fp32 and fp16
+    python benchmarks/overhead.py                  # default CPU plan, 2-3 minutes on 2 cores
+    python benchmarks/overhead.py --device cuda    # every model in fp32 and fp16
     python benchmarks/overhead.py --quick --json q.json
 
-Everything runs in one process. For each model and precision the variants take turns, one
-block of ``--steps`` timed steps each per round (plain, nanhunt, plain's neighbour, ...), so
-drift in the machine's load reaches every variant alike. The variants:
+Everything runs in one process. For each model and precision the variants take turns: each
+round runs one block of ``--steps`` timed steps of every variant (the order rotates between
+rounds), so drift in the machine's load reaches every variant alike. The variants:
 
 ``plain``            the step alone
 ``nanhunt``          one :class:`nanhunt.Hunt` per block, full per-layer statistics every step
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
 import json
 import math
@@ -344,7 +345,33 @@ def _traced_peak(fn: Callable[[], None]) -> int:
     return tracemalloc.get_traced_memory()[1] - base
 
 
+def _proc_kib(key: str) -> int | None:
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        text = Path("/proc/self/status").read_text()
+        line = next(x for x in text.splitlines() if x.startswith(key + ":"))
+        return int(line.split()[1])
+    return None
+
+
+def _reset_rss_peak() -> bool:
+    """Linux resets the peak resident size (VmHWM) when "5" is written to clear_refs."""
+    # hand freed heap back to the OS first, or a block reuses what the last one freed
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return _proc_kib("VmHWM") is not None
+
+
 def measure_memory(w: Workload, steps: int, sample_every: int) -> dict[str, Any]:
+    """Peak memory of a block of plain steps against a block under nanhunt.
+
+    Three views: tracemalloc (Python and numpy only: nanhunt's records), the process's peak
+    resident size (everything on the host, torch's CPU tensors included; Linux only) and, on
+    CUDA, torch's peak allocated device memory.
+    """
     out: dict[str, Any] = {"model": w.name, "precision": w.precision, "steps": steps}
     cuda = w.device.type == "cuda"
     for variant in ("plain", "nanhunt"):
@@ -352,16 +379,21 @@ def measure_memory(w: Workload, steps: int, sample_every: int) -> dict[str, Any]
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(w.device)
             before = torch.cuda.memory_allocated(w.device)
+        gc.collect()
+        rss = _reset_rss_peak()
+        rss_before = _proc_kib("VmRSS") if rss else None
         out[f"{variant}_host_peak_bytes"] = _traced_peak(
             lambda v=variant: run_block(w, v, steps, sample_every, Samples())
         )
+        if rss_before is not None:
+            out[f"{variant}_rss_peak_bytes"] = ((_proc_kib("VmHWM") or 0) - rss_before) * 1024
         if cuda:
             out[f"{variant}_cuda_peak_bytes"] = torch.cuda.max_memory_allocated(w.device) - before
-    out["nanhunt_host_extra_bytes"] = out["nanhunt_host_peak_bytes"] - out["plain_host_peak_bytes"]
-    if cuda:
-        out["nanhunt_cuda_extra_bytes"] = (
-            out["nanhunt_cuda_peak_bytes"] - out["plain_cuda_peak_bytes"]
-        )
+    for view in ("host", "rss", "cuda"):
+        if f"nanhunt_{view}_peak_bytes" in out:
+            out[f"nanhunt_{view}_extra_bytes"] = (
+                out[f"nanhunt_{view}_peak_bytes"] - out[f"plain_{view}_peak_bytes"]
+            )
     return out
 
 
@@ -559,22 +591,21 @@ def render(
         table.add_row(*cells)
     console.print(table)
 
-    mem = Table(title="nanhunt's memory (host: tracemalloc peak; cuda: max_memory_allocated)")
-    for col in ("model", "prec", "plain host", "nanhunt host", "extra host"):
+    mem = Table(title="Extra peak memory under nanhunt (vs plain)")
+    views = [
+        (view, title)
+        for view, title in (
+            ("host", "python+numpy"),
+            ("rss", "host RSS"),
+            ("cuda", "cuda allocated"),
+        )
+        if any(f"nanhunt_{view}_extra_bytes" in m for m in memory)
+    ]
+    for col in ("model", "prec", *(title for _, title in views)):
         mem.add_column(col, justify="left" if col in ("model", "prec") else "right")
-    cuda = any("nanhunt_cuda_extra_bytes" in m for m in memory)
-    if cuda:
-        mem.add_column("extra cuda", justify="right")
     for m in memory:
-        cells = [
-            m["model"],
-            m["precision"],
-            _mib(m["plain_host_peak_bytes"]),
-            _mib(m["nanhunt_host_peak_bytes"]),
-            _mib(m["nanhunt_host_extra_bytes"]),
-        ]
-        if cuda:
-            cells.append(_mib(m["nanhunt_cuda_extra_bytes"]))
+        cells = [m["model"], m["precision"]]
+        cells += [_mib(m[f"nanhunt_{view}_extra_bytes"]) for view, _ in views]
         mem.add_row(*cells)
     console.print(mem)
 

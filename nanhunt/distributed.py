@@ -65,6 +65,8 @@ _LAUNCHER_ENV = "NANHUNT_LAUNCHER"  # set for the workers of `nanhunt diagnose -
 _META_KEY = "nanhunt_rank"  # extra top-level key of a rank file; Trace.from_dict ignores it
 _ENDED = ("crashed", "interrupted")
 _PHASE_ORDER = {phase: i for i, phase in enumerate(PHASES)}
+#: ``RankSummary.status`` of a rank that sent no trace.
+NO_ANSWER = "no answer"
 
 
 # ----------------------------------------------------------------------------- merging
@@ -103,8 +105,10 @@ def merge_traces(
     whose first failure comes first by (step, phase order data < forward < backward <
     loss_scaling < optimizer), the lowest rank on a tie. Without any failure the base is the
     lowest rank that found a problem, else the lowest rank that answered. ``ranks`` holds every
-    rank, with ``answered=False`` for the ranks that sent nothing; ``missing_reason`` says why
-    they are missing ("within 60 s").
+    rank, with its run's ``status`` and ``error``, and ``answered=False`` (status ``"no answer"``)
+    for the ranks that sent nothing; ``missing_reason`` says why they are missing ("within
+    60 s"). ``all_ranks_failed`` is set when all ``world_size`` ranks answered and failed at the
+    same step, phase, module and tensor.
 
     >>> from nanhunt.trace import Trace
     >>> merged = merge_traces([RankResult(0, Trace()), RankResult(1, Trace())], 3)
@@ -126,19 +130,26 @@ def merge_traces(
         base_rank = with_problem[0] if with_problem else min(answered)
     merged = copy.deepcopy(answered[base_rank].trace)
     merged.run.world_size = world_size
+    merged.all_ranks_failed = False  # set by _name_origin
     if merged.snapshot:  # rank files name it relative to OUT/ranks
         merged.snapshot = f"ranks/{merged.snapshot}"
     merged.ranks = []
     for r in range(world_size):
         res = answered.get(r)
         if res is None:
-            merged.ranks.append(RankSummary(rank=r, answered=False))
+            merged.ranks.append(RankSummary(rank=r, answered=False, status=NO_ANSWER))
             continue
         ff = copy.deepcopy(res.trace.first_failure)
         if ff is not None:
             ff.rank = r
         merged.ranks.append(
-            RankSummary(rank=r, first_failure=ff, steps=copy.deepcopy(res.trace.steps))
+            RankSummary(
+                rank=r,
+                first_failure=ff,
+                steps=copy.deepcopy(res.trace.steps),
+                status=res.trace.run.status,
+                error=res.trace.run.error,
+            )
         )
     if merged.first_failure is not None:
         merged.first_failure.rank = base_rank
@@ -168,6 +179,7 @@ def _name_origin(
         and tied == sorted(answered)
         and all(_same_place(failing[r], first) for r in tied)
     ):
+        merged.all_ranks_failed = len(tied) == world_size
         who = (
             f"every rank ({world_size} of {world_size})"
             if len(tied) == world_size

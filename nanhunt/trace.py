@@ -232,10 +232,14 @@ class Recommendation:
 
 @dataclass
 class RankSummary:
+    """One rank of a distributed run, as the merged report on rank 0 saw it."""
+
     rank: int
     answered: bool = True
     first_failure: Failure | None = None
     steps: list[StepRecord] = field(default_factory=list)
+    status: str = "complete"  # complete | stopped | crashed | interrupted | no answer
+    error: str | None = None  # the rank's exception when it crashed or was interrupted
 
 
 @dataclass
@@ -275,6 +279,8 @@ class Trace:
     scaler_events: list[ScalerEvent] = field(default_factory=list)
     ops: list[OpRecord] = field(default_factory=list)  # op-level replay of the culprit
     ranks: list[RankSummary] = field(default_factory=list)
+    # every rank of a distributed run answered and failed alike (same step, phase, module, tensor)
+    all_ranks_failed: bool = False
     snapshot: str | None = None  # file name of the culprit snapshot, beside the report
     # unscaled gradient exponent histograms (binade -> count) by the gradients' dtype
     grad_hist: dict[str, dict[int, int]] = field(default_factory=dict)

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import NanhuntError
 from ..formats import NumberFormat, get_format
-from ..trace import Finding, LayerStats, StepRecord, TensorStats, Trace
+from ..trace import Failure, Finding, LayerStats, RankSummary, StepRecord, TensorStats, Trace
 
 #: Headroom (binades below the target max) under which a module is shown as at risk.
 WARN_HEADROOM = 2.0
@@ -175,7 +175,7 @@ def partial_line(trace: Trace) -> str | None:
 def verdict(trace: Trace) -> Verdict:
     partial = partial_line(trace)
     if has_problem(trace):
-        return Verdict("problem", "PROBLEM: " + _problem_text(trace), partial)
+        return Verdict("problem", "PROBLEM: " + _problem_text(trace) + rank_scope(trace), partial)
     n_warn = plural(len(trace.warnings), "warning")
     so_far = " so far" if partial else ""
     if trace.facts:
@@ -210,6 +210,28 @@ def _problem_text(trace: Trace) -> str:
     elif diag is not None and not ff:
         text += f": {diag.message}"
     return text
+
+
+def rank_scope(trace: Trace) -> str:
+    """Where a distributed run failed, for the verdict: `` on rank 1``, `` on every rank (4 of
+    4)``, `` on every rank that answered (3 of 4)``; empty for one process."""
+    ff = trace.first_failure
+    world = trace.run.world_size
+    if ff is None or ff.rank is None or world <= 1:
+        return ""
+    if trace.all_ranks_failed:
+        return f" on every rank ({world} of {world})"
+    answered = [r for r in trace.ranks if r.answered]
+    alike = [r for r in answered if r.first_failure is not None and same_place(r.first_failure, ff)]
+    if len(alike) > 1 and len(alike) == len(answered):
+        if len(alike) == world:
+            return f" on every rank ({world} of {world})"
+        return f" on every rank that answered ({len(alike)} of {world})"
+    return f" on rank {ff.rank}"
+
+
+def same_place(a: Failure, b: Failure) -> bool:
+    return (a.step, a.phase, a.module, a.tensor) == (b.step, b.phase, b.module, b.tensor)
 
 
 def values_summary(stats: TensorStats, fmt: NumberFormat) -> list[str]:
@@ -339,10 +361,24 @@ def fold_steps(
     At most ``notable`` skipped or non-finite steps are kept (non-finite ones first, then in
     order); a :class:`HiddenSteps` stands for each run of steps left out.
     """
-    steps = trace.steps
+    fail_step = trace.first_failure.step if trace.first_failure else None
+    return fold_step_list(
+        trace.steps, fail_step, head=head, tail=tail, notable=notable, show_all=show_all
+    )
+
+
+def fold_step_list(
+    steps: list[StepRecord],
+    fail_step: int | None,
+    *,
+    head: int = 3,
+    tail: int = 3,
+    notable: int = 24,
+    show_all: bool = False,
+) -> list[StepRecord | HiddenSteps]:
+    """:func:`fold_steps` on any list of steps (one rank's timeline) failing at ``fail_step``."""
     if show_all or len(steps) <= head + tail + 4:
         return list(steps)
-    fail_step = trace.first_failure.step if trace.first_failure else None
     n = len(steps)
     keep = [i < head or i >= n - tail or s.index == fail_step for i, s in enumerate(steps)]
     candidates = [i for i, s in enumerate(steps) if s.nonfinite and not keep[i]]
@@ -371,3 +407,36 @@ def scaler_notes(trace: Trace) -> dict[int, str]:
     for ev in trace.scaler_events:
         notes.setdefault(ev.step, []).append(f"{ev.event} → {fmt_scale_short(ev.scale_after)}")
     return {k: "; ".join(v) for k, v in notes.items()}
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def rank_status(r: RankSummary) -> tuple[str, str]:
+    """A rank's level (``ok``, ``warn``, ``bad``) and status in words: ``answered``, ``no
+    answer``, ``crashed: RuntimeError: ...``, ``interrupted``."""
+    if not r.answered:
+        return "warn", "no answer"
+    if r.status in ("crashed", "interrupted"):
+        error = first_line(r.error, limit=120)
+        return ("bad" if r.status == "crashed" else "warn"), (
+            f"{r.status}: {error}" if error else r.status
+        )
+    if r.status == "running":
+        return "warn", "answered (still running)"
+    return "ok", "answered"
+
+
+def rank_failure_text(ff: Failure | None) -> str:
+    """``step 2 / data / model / input[0]``, or ``—``."""
+    return ff.where() if ff is not None else "—"
+
+
+def rank_order(trace: Trace) -> list[RankSummary]:
+    """Ranks by interest for folding their timelines: the origin, other failing ranks, the rest
+    (each group by rank)."""
+    origin = trace.first_failure.rank if trace.first_failure else None
+    return sorted(
+        trace.ranks,
+        key=lambda r: (r.rank != origin, r.first_failure is None, not r.answered, r.rank),
+    )

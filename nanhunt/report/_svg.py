@@ -434,6 +434,91 @@ def line_chart(
     return "".join(out)
 
 
+#: one colour per rank, cycled; no red, which marks non-finite values
+RANK_COLOURS = (
+    "#2563eb", "#d97706", "#059669", "#7c3aed", "#db2777",
+    "#0891b2", "#65a30d", "#475569", "#ea580c", "#4f46e5",
+)  # fmt: skip
+
+
+def rank_colour(i: int) -> str:
+    return RANK_COLOURS[i % len(RANK_COLOURS)]
+
+
+def multi_line_chart(
+    series: Sequence[tuple[str, Series]],
+    *,
+    fail_step: int | None = None,
+    width: int = 1100,
+    height: int = 220,
+) -> str:
+    """Several step-indexed series on one linear axis, one ``<g class="rank-series">`` (a
+    polyline per finite run, non-finite values as crosses in its colour) per labelled series."""
+    ml, mr, mt, mb = 56, 14, 14, 26
+    thinned = [(label, Series(thin(s.points), s.colour, s.step)) for label, s in series]
+    all_pts = [p for _, s in thinned for p in s.points]
+    finite = [v for _, v in all_pts if v is not None and math.isfinite(v)]
+    if not finite:
+        return (
+            f'<svg class="chart multi empty" viewBox="0 0 {width} 60" width="100%">'
+            f'<text x="{width // 2}" y="34" '
+            f'text-anchor="middle" fill="{MUTED}" font-size="13">no finite values recorded'
+            "</text></svg>"
+        )
+    y_lo, y_hi = min(finite), max(finite)
+    if y_hi == y_lo:
+        y_lo, y_hi = y_lo - 1, y_hi + 1
+    pad = (y_hi - y_lo) * 0.08
+    y_lo = 0.0 if y_lo >= 0 and y_lo - pad < 0 else y_lo - pad
+    y_hi += pad
+    steps = [st for st, _ in all_pts] or [0]
+    x_lo, x_hi = min(steps), max(steps)
+    if x_hi == x_lo:
+        x_lo, x_hi = x_lo - 0.5, x_hi + 0.5
+    px0, px1, py0, py1 = ml, width - mr, mt, height - mb
+
+    def to_x(st: float) -> float:
+        return px0 + (st - x_lo) / (x_hi - x_lo) * (px1 - px0)
+
+    def to_y(v: float) -> float:
+        t = min(max(v, y_lo), y_hi)
+        return py1 - (t - y_lo) / (y_hi - y_lo) * (py1 - py0)
+
+    out = [f'<svg class="chart multi" viewBox="0 0 {width} {height}" width="100%" {_FONT}>']
+    for t in nice_ticks(y_lo, y_hi, 4):
+        out += _ytick(px0, px1, to_y(t), fmt_num(t))
+    for t in nice_ticks(x_lo, x_hi, min(10, max(int(x_hi - x_lo), 1))):
+        if float(t).is_integer():
+            out.append(
+                f'<text x="{n(to_x(t))}" y="{height - 8}" text-anchor="middle" fill="{MUTED}" '
+                f'font-size="11">{int(t)}</text>'
+            )
+    out.append(
+        f'<line x1="{px0}" x2="{px1}" y1="{py1}" y2="{py1}" stroke="#cbd5e1" stroke-width="1"/>'
+    )
+    if fail_step is not None and x_lo <= fail_step <= x_hi:
+        x = n(to_x(fail_step))
+        out.append(
+            f'<line class="fail-step" x1="{x}" x2="{x}" y1="{py0}" y2="{py1}" stroke="{BAD}" '
+            f'stroke-width="1.5" stroke-dasharray="3 3"/>'
+        )
+    for i, (label, s) in enumerate(thinned):
+        out.append(f'<g class="rank-series" data-label="{esc(label)}"><title>{esc(label)}</title>')
+        out += _polyline(s, to_x, to_y, "")
+        for st, v in s.points:
+            if v is not None and not math.isfinite(v):
+                x, y = to_x(st), py0 + 6 + 9 * min(i, 6)
+                out.append(
+                    f'<path class="nonfinite-point" d="M{n(x - 4)} {n(y - 4)} L{n(x + 4)} '
+                    f'{n(y + 4)} M{n(x + 4)} {n(y - 4)} L{n(x - 4)} {n(y + 4)}" '
+                    f'stroke="{s.colour}" stroke-width="2"><title>{esc(label)}, step {st}: '
+                    f"{esc(fmt_num(v))}</title></path>"
+                )
+        out.append("</g>")
+    out.append("</svg>")
+    return "".join(out)
+
+
 def thin(
     points: list[tuple[int, float | None]], limit: int = 1200
 ) -> list[tuple[int, float | None]]:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from .._version import __version__
 from ..formats import NumberFormat
-from ..trace import Failure, Finding, OpRecord, Recommendation, Trace
+from ..trace import Failure, Finding, OpRecord, RankSummary, Recommendation, StepRecord, Trace
 from . import _svg
 from ._common import (
     HiddenSteps,
@@ -26,10 +26,11 @@ from ._common import (
     fmt_pct,
     fmt_scale,
     fmt_value,
-    fold_steps,
+    fold_step_list,
     has_problem,
     module_rows,
     plural,
+    rank_status,
     ranked_warnings,
     scaler_notes,
     target_format,
@@ -412,10 +413,18 @@ def _timeline(trace: Trace, fmt: NumberFormat) -> str:
 
 
 def _steps_table(trace: Trace) -> str:
-    notes = scaler_notes(trace)
     fail = trace.first_failure.step if trace.first_failure else None
     n = len(trace.steps)
-    items = fold_steps(trace, head=10, tail=10, notable=100, show_all=n <= 60)
+    table, shown = _step_rows(trace.steps, fail, scaler_notes(trace))
+    if n <= 12:
+        return f'<details class="steps" open><summary>Steps</summary>{table}</details>'
+    summary = f"All {n} steps" if shown == n else f"{shown} of {n} steps (the rest are in the JSON)"
+    return f'<details class="steps"><summary>{esc(summary)}</summary>{table}</details>'
+
+
+def _step_rows(steps: list[StepRecord], fail: int | None, notes: dict[int, str]) -> tuple[str, int]:
+    """A step table (folded past 60 steps) and how many steps it shows."""
+    items = fold_step_list(steps, fail, head=10, tail=10, notable=100, show_all=len(steps) <= 60)
     rows = []
     for s in items:
         if isinstance(s, HiddenSteps):
@@ -444,11 +453,7 @@ def _steps_table(trace: Trace) -> str:
         '<th class="num">scale</th><th>skipped</th><th class="num">grad norm</th><th>note</th>'
         f"</tr></thead><tbody>{''.join(rows)}</tbody></table>"
     )
-    if n <= 12:
-        return f'<details class="steps" open><summary>Steps</summary>{table}</details>'
-    shown = sum(not isinstance(s, HiddenSteps) for s in items)
-    summary = f"All {n} steps" if shown == n else f"{shown} of {n} steps (the rest are in the JSON)"
-    return f'<details class="steps"><summary>{esc(summary)}</summary>{table}</details>'
+    return table, sum(not isinstance(s, HiddenSteps) for s in items)
 
 
 def _histogram(ff: Failure, fmt: NumberFormat) -> str:
@@ -637,23 +642,82 @@ def _ops(ops: Sequence[OpRecord]) -> str:
 
 
 def _ranks(trace: Trace) -> str:
+    origin = trace.first_failure.rank if trace.first_failure else None
     rows = []
     for r in trace.ranks:
-        if not r.answered:
-            what = '<span class="badge warn">did not answer</span>'
-        elif r.first_failure is not None:
-            what = f'<span class="bad-text">{esc(r.first_failure.where())}</span>'
+        level, status = rank_status(r)
+        word, _, error = status.partition(": ")
+        badge = f'<span class="badge {level}">{esc(word)}</span>'
+        if error:
+            badge += f'<div class="small rank-error">{esc(error)}</div>'
+        ff = r.first_failure
+        if ff is not None:
+            fail = f'<td class="num bad-text">{ff.step}</td>' + "".join(
+                f'<td class="mono bad-text">{esc(w)}</td>' for w in (ff.phase, ff.module, ff.tensor)
+            )
         else:
-            what = '<span class="ok-text">no non-finite values</span>'
+            text = "no non-finite values" if r.answered else ""
+            fail = f'<td colspan="4" class="ok-text">{esc(text)}</td>'
+        counts = (len(r.steps), sum(s.skipped for s in r.steps)) if r.answered else ("—", "—")
+        mark = "▶ " if r.rank == origin else ""
         rows.append(
-            f'<tr><td class="num">{r.rank}</td><td class="num">{len(r.steps)}</td>'
-            f"<td>{what}</td></tr>"
+            f'<tr class="{"culprit" if mark else ""}" data-rank="{r.rank}">'
+            f'<td class="num">{mark}{r.rank}</td><td>{badge}</td>'
+            f'<td class="num">{counts[0]}</td><td class="num">{counts[1]}</td>{fail}</tr>'
         )
     table = (
-        '<table class="data"><thead><tr><th class="num">rank</th><th class="num">steps</th>'
-        f"<th>first failure</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+        '<div class="table-wrap"><table class="data ranks"><thead><tr>'
+        '<th class="num">rank</th><th>status</th><th class="num">steps</th>'
+        '<th class="num">skipped</th><th class="num">failure step</th><th>phase</th>'
+        f"<th>module</th><th>tensor</th></tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
     )
-    return _card("ranks", "Ranks", table)
+    with_steps = [r for r in trace.ranks if r.steps]
+    chart = ""
+    if with_steps:
+        series = [
+            (
+                f"rank {r.rank}",
+                _svg.Series([(s.index, s.loss) for s in r.steps], colour=_svg.rank_colour(i)),
+            )
+            for i, r in enumerate(with_steps)
+        ]
+        legend = "".join(
+            f'<span><i class="sw" style="background:{s.colour}"></i>{esc(label)}</span>'
+            for label, s in series
+        )
+        fail = trace.first_failure.step if trace.first_failure else None
+        svg = _svg.multi_line_chart(series, fail_step=fail)
+        chart = (
+            '<figure class="wide rank-loss"><figcaption>Loss per rank</figcaption>'
+            f'<div class="legend">{legend}<span><i class="vline"></i>first failure</span>'
+            f'<span><i class="cross">×</i>non-finite loss</span></div>'
+            f'<div class="chart-wrap">{svg}</div></figure>'
+        )
+    details = "".join(_rank_steps(r) for r in with_steps)
+    sub = (
+        "Every rank of the run: whether it answered, its own first failure and its own steps. "
+        "▶ marks the origin, the rank whose first failure came first; the sections above show "
+        "its trace."
+    )
+    if trace.all_ranks_failed:
+        sub += " Every rank failed alike: look at the model or its precision, not one rank's data."
+    return _card("ranks", f"Ranks ({len(trace.ranks)})", f"{table}{chart}{details}", sub=sub)
+
+
+def _rank_steps(r: RankSummary) -> str:
+    fail = r.first_failure.step if r.first_failure else None
+    table, shown = _step_rows(r.steps, fail, {})
+    n = len(r.steps)
+    parts = [f"rank {r.rank}", plural(n, "step")]
+    if shown < n:
+        parts.append(f"{shown} shown")
+    parts.append(f"first failure at step {fail}" if fail is not None else "no non-finite values")
+    if r.status in ("crashed", "interrupted"):
+        parts.append(r.status)
+    return (
+        f'<details class="steps rank-steps" data-rank="{r.rank}">'
+        f"<summary>{esc(' · '.join(parts))}</summary>{table}</details>"
+    )
 
 
 def _footer(trace: Trace) -> str:
@@ -841,6 +905,8 @@ li.warning p{margin:4px 0 0}
 .score{margin-left:auto;color:var(--muted);font-size:12.5px}
 ul.facts{margin:8px 0 0;padding-left:20px}ul.facts li{margin:3px 0}
 .bad-text{color:var(--bad)}.ok-text{color:var(--ok)}
+.rank-error{color:#7f1d1d;overflow-wrap:anywhere;margin-top:2px}
+figure.rank-loss{margin-top:16px}
 .empty{color:var(--muted);font-style:italic}
 .foot{display:flex;justify-content:space-between;align-items:center;color:var(--muted);
 font-size:13px;margin-top:26px}

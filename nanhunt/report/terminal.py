@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..formats import NumberFormat
-from ..trace import Failure, Finding, Recommendation, Trace
+from ..trace import Failure, Finding, RankSummary, Recommendation, StepRecord, Trace
 from ._common import (
     HiddenSteps,
     ModuleRow,
@@ -30,9 +30,13 @@ from ._common import (
     fmt_pct,
     fmt_scale_short,
     fmt_value,
+    fold_step_list,
     fold_steps,
     module_rows,
     plural,
+    rank_failure_text,
+    rank_order,
+    rank_status,
     ranked_warnings,
     scaler_notes,
     target_format,
@@ -46,6 +50,7 @@ _LEVEL_STYLE = {"bad": "bold red", "warn": "yellow", "ok": "green"}
 _VERDICT_STYLE = {"problem": "bold red", "ok": "bold green", "partial": "bold yellow"}
 _MAX_FACTS = 8
 _MAX_WARNINGS = 8
+_MAX_RANK_TIMELINES = 8
 
 
 def render_terminal(
@@ -89,8 +94,8 @@ def render_terminal(
         _section(console, "Facts (non-finite values that were not failures)")
         _facts(console, trace, show_all)
     if len(trace.ranks) > 1:
-        _section(console, "Ranks")
-        _ranks(console, trace)
+        _section(console, f"Ranks ({len(trace.ranks)})")
+        _ranks(console, trace, show_all)
     if trace.notes:
         _section(console, "Notes (limits of this report)")
         console.print(_bullets(trace.notes, indent=0, style="yellow"))
@@ -351,13 +356,84 @@ def _facts(console: Console, trace: Trace, show_all: bool) -> None:
     _more(console, len(trace.facts) - len(shown), "fact")
 
 
-def _ranks(console: Console, trace: Trace) -> None:
+def _ranks(console: Console, trace: Trace, show_all: bool) -> None:
+    origin = trace.first_failure.rank if trace.first_failure else None
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0))
+    table.add_column("rank", justify="right", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("steps", justify="right", no_wrap=True)
+    table.add_column("skipped", justify="right", no_wrap=True)
+    table.add_column("first failure", overflow="fold", min_width=16)
+    errors: list[str] = []  # under the table, where they have the whole width
     for r in trace.ranks:
-        line = Text(f"rank {r.rank}: ", style="bold")
-        if not r.answered:
-            line.append("did not answer", style="yellow")
-        elif r.first_failure is not None:
-            line.append("first failure at " + r.first_failure.where(), style="red")
-        else:
-            line.append(f"no non-finite values in {plural(len(r.steps), 'step')}", style="green")
-        console.print(line)
+        level, status = rank_status(r)
+        status, _, error = status.partition(": ")
+        if error:
+            errors.append(f"rank {r.rank} {status}: {error}")
+        mark = "▶ " if r.rank == origin else ""
+        counts = (
+            (str(len(r.steps)), str(sum(s.skipped for s in r.steps))) if r.answered else ("—",) * 2
+        )
+        table.add_row(
+            Text(f"{mark}{r.rank}", style="bold red" if mark else ""),
+            Text(status, style=_LEVEL_STYLE[level]),
+            *counts,
+            Text(rank_failure_text(r.first_failure), style="red" if r.first_failure else "dim"),
+            style="bold" if mark else None,
+        )
+    console.print(table)
+    if errors:
+        console.print(_bullets(errors, indent=0, style="red"))
+    if origin is not None:
+        console.print(
+            Text("▶ origin (first to fail): the sections above show its trace", style="dim")
+        )
+    timelines = [r for r in rank_order(trace) if r.steps]
+    shown = timelines if show_all else timelines[:_MAX_RANK_TIMELINES]
+    for r in sorted(shown, key=lambda r: r.rank):
+        console.print()
+        console.print(_rank_heading(r))
+        console.print(Padding(_rank_timeline(r.steps, r.first_failure, show_all), (0, 0, 0, 2)))
+    _more(console, len(timelines) - len(shown), "rank timeline")
+
+
+def _rank_heading(r: RankSummary) -> Text:
+    line = Text(f"rank {r.rank}", style="bold")
+    line.append(f" · {plural(len(r.steps), 'step')}", style="dim")
+    if r.first_failure is not None:
+        line.append(f" · first failure at step {r.first_failure.step}", style="red")
+    else:
+        line.append(" · no non-finite values", style="green")
+    if r.status in ("crashed", "interrupted"):
+        line.append(f" · {r.status}", style=_LEVEL_STYLE[rank_status(r)[0]])
+    return line
+
+
+def _rank_timeline(steps: list[StepRecord], ff: Failure | None, show_all: bool) -> Table:
+    """One rank's steps, folded harder than the main timeline: 2 first, 2 last, 4 notable."""
+    fail_step = ff.step if ff is not None else None
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0))
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("loss", justify="right", no_wrap=True)
+    table.add_column("scale", justify="right", no_wrap=True)
+    table.add_column("skipped", no_wrap=True)
+    table.add_column("grad norm", justify="right", no_wrap=True)
+    table.add_column("note", overflow="fold")
+    items = fold_step_list(steps, fail_step, head=2, tail=2, notable=4, show_all=show_all)
+    for item in items:
+        if isinstance(item, HiddenSteps):
+            table.add_row("…", "", "", "", "", Text(item.describe(), style="dim"))
+            continue
+        s = item
+        note = "first failure" if s.index == fail_step else ("non-finite" if s.nonfinite else "")
+        bad = s.loss is not None and not math.isfinite(s.loss)
+        table.add_row(
+            str(s.index),
+            Text(fmt_num(s.loss), style="bold red" if bad else ""),
+            fmt_scale_short(s.scale) if s.scale is not None else "—",
+            Text("skipped", style="yellow") if s.skipped else Text("·", style="dim"),
+            fmt_num(s.grad_norm),
+            Text(note, style="red" if s.nonfinite or note else "dim"),
+            style="bold" if s.index == fail_step else None,
+        )
+    return table

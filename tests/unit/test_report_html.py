@@ -19,6 +19,7 @@ from nanhunt.trace import (
     Finding,
     LayerStats,
     OpRecord,
+    RankSummary,
     Recommendation,
     RunInfo,
     StepRecord,
@@ -404,3 +405,92 @@ def test_long_runs_stay_small():
     assert len([a for t, a in p.tags if t == "tr" and a.get("class") == "gap"]) > 0
     assert "of 20000 steps (the rest are in the JSON)" in page
     assert len(page) < 4_000_000  # the JSON island holds every step; the markup does not
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def rank_steps(n: int, fail: int | None = None, loss: float = 2.0) -> list[StepRecord]:
+    return [
+        StepRecord(i, loss=math.nan if i == fail else loss + i, scale=2.0**16, skipped=i == fail,
+                   grad_norm=1.0, nonfinite=i == fail)
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def multi_rank_trace() -> Trace:
+    """Three ranks: rank 1 failed first, rank 0 crashed after it, rank 2 never answered."""
+    ff = Failure(2, "data", "model", "input[0]", stats(1.0, nan=1), rank=1)
+    return Trace(
+        run=RunInfo(world_size=3, status="crashed", error="rank 0: RuntimeError: boom"),
+        steps=rank_steps(3, fail=2),
+        first_failure=ff,
+        problem=True,
+        ranks=[
+            RankSummary(0, steps=rank_steps(4, loss=5.0), status="crashed",
+                        error=f"Traceback ...\nRuntimeError: {EVIL}"),
+            RankSummary(1, first_failure=ff, steps=rank_steps(3, fail=2), status="stopped"),
+            RankSummary(2, answered=False, status="no answer"),
+        ],
+    )  # fmt: skip
+
+
+def test_verdict_names_the_failing_rank():
+    p = parse(render_html(multi_rank_trace()))
+    (h1,) = [t for t in p.text if t.startswith("PROBLEM:")]
+    assert h1 == "PROBLEM: non-finite value in data at step 2, module model on rank 1"
+
+
+def test_verdict_says_every_rank_when_all_failed_alike():
+    trace = multi_rank_trace()
+    trace.run.world_size = 2
+    trace.all_ranks_failed = True
+    trace.ranks = [
+        RankSummary(r, first_failure=trace.first_failure, steps=rank_steps(3, 2)) for r in range(2)
+    ]
+    page = render_html(trace)
+    assert "module model on every rank (2 of 2)</h1>" in page
+    assert "Every rank failed alike" in page
+
+
+def test_ranks_section_has_a_row_a_loss_line_and_a_step_table_per_rank():
+    trace = multi_rank_trace()
+    page = render_html(trace)
+    assert "<script>alert(1)" not in page
+    p = parse(page)
+    rows = [a for t, a in p.tags if t == "tr" and "data-rank" in a]
+    assert [a["data-rank"] for a in rows] == ["0", "1", "2"]
+    assert "culprit" in (rows[1].get("class") or "")  # the origin
+    text = " ".join(p.text)
+    assert "no answer" in text
+    assert f"RuntimeError: {EVIL}" in text  # the crashed rank's error, as text
+    # one line per rank that sent steps, labelled, with a legend entry each
+    series = p.with_class("g", "rank-series")
+    assert [a["data-label"] for a in series] == ["rank 0", "rank 1"]
+    chart = page.split('<svg class="chart multi"', 1)[1].split("</svg>", 1)[0]
+    groups = chart.split('<g class="rank-series"')[1:]
+    assert all(g.count("<polyline") == 1 for g in groups)
+    assert 'class="nonfinite-point"' in groups[1]  # rank 1's nan loss at step 2
+    assert "rank 0</span>" in page
+    assert "rank 1</span>" in page
+    details = p.with_class("details", "rank-steps")
+    assert [a["data-rank"] for a in details] == ["0", "1"]
+    assert "rank 0 · 4 steps · no non-finite values · crashed" in text
+    assert "rank 1 · 3 steps · first failure at step 2" in text
+    rank0 = page.split('data-rank="0"><summary>', 1)[1].split("</details>", 1)[0]
+    assert rank0.count("<tr") == 5  # a header and rank 0's own four steps
+    assert '<td class="num">8</td>' in rank0  # its own loss at step 3 (5 + 3)
+
+
+def test_ranks_of_an_old_report_still_render():
+    trace = multi_rank_trace()
+    data = trace.to_dict()
+    for r in data["ranks"]:
+        del r["status"], r["error"]
+    del data["all_ranks_failed"]
+    back = Trace.from_dict(data)
+    assert [r.status for r in back.ranks] == ["complete"] * 3
+    page = render_html(back)
+    parse(page)
+    assert page.count('class="badge ok">answered<') == 2
+    assert 'class="badge warn">no answer<' in page

@@ -269,19 +269,130 @@ def test_facts_are_listed_and_folded():
     assert "• fact number 11" in text_of(render(trace, show_all=True))
 
 
-def test_ranks_section_for_multi_rank_runs():
-    ff = Failure(5, "backward", "fc", "grad_output[0]", stats(1.0, nan=1))
-    trace = Trace(
+def rank_failure(step: int = 5, phase: str = "backward", rank: int | None = None) -> Failure:
+    return Failure(step, phase, "fc", "grad_output[0]", stats(1.0, nan=1), rank=rank)
+
+
+def rank_steps(n: int, fail: int | None = None, loss: float = 2.0) -> list[StepRecord]:
+    return [
+        StepRecord(
+            i,
+            loss=math.nan if i == fail else loss + i / 10,
+            scale=65536.0,
+            skipped=i == fail,
+            grad_norm=1.5,
+            nonfinite=i == fail,
+        )
+        for i in range(n)
+    ]
+
+
+def multi_rank_trace() -> Trace:
+    """Three ranks: rank 1 failed first, rank 0 was clean, rank 2 never answered."""
+    ff = rank_failure(2, "data", rank=1)
+    return Trace(
+        run=RunInfo(world_size=3, status="crashed", error="ranks 2 did not answer"),
+        steps=rank_steps(3, fail=2),
+        first_failure=ff,
+        problem=True,
+        diagnosis=Finding("bad_input", "bad_input", "error", "a NaN in the batch"),
         ranks=[
-            RankSummary(0, steps=[StepRecord(0)]),
-            RankSummary(1, first_failure=ff),
-            RankSummary(2, answered=False),
-        ]
+            RankSummary(0, steps=rank_steps(3, loss=5.0), status="stopped"),
+            RankSummary(1, first_failure=ff, steps=rank_steps(3, fail=2), status="stopped"),
+            RankSummary(2, answered=False, status="no answer"),
+        ],
     )
+
+
+def test_verdict_names_the_failing_rank():
+    lines = render(multi_rank_trace())
+    assert "PROBLEM: bad input in data at step 2, module fc on rank 1" in lines[2]
+    assert "3 ranks" in text_of(lines)
+
+
+def test_verdict_says_every_rank_when_all_failed_alike():
+    trace = multi_rank_trace()
+    trace.run.world_size = 2
+    trace.all_ranks_failed = True
+    trace.first_failure.rank = 0
+    trace.ranks = [
+        RankSummary(r, first_failure=rank_failure(2, "data", rank=r), steps=rank_steps(3, fail=2))
+        for r in range(2)
+    ]
+    assert verdict(trace).headline.endswith("module fc on every rank (2 of 2)")
+    assert "on every rank (2 of 2)" in text_of(render(trace))
+
+
+def test_verdict_says_every_rank_that_answered():
+    trace = multi_rank_trace()
+    trace.ranks[0].first_failure = rank_failure(2, "data", rank=0)
+    assert verdict(trace).headline.endswith(" on every rank that answered (2 of 3)")
+
+
+def test_one_process_verdict_names_no_rank():
+    trace = multi_rank_trace()
+    trace.run.world_size = 1
+    trace.ranks = []
+    assert "rank" not in verdict(trace).headline
+
+
+def test_ranks_table_shows_status_counts_and_first_failure():
+    trace = multi_rank_trace()
+    trace.ranks[0].status = "crashed"
+    trace.ranks[0].error = "Traceback ...\nRuntimeError: Connection closed by peer"
+    lines = text_of(render(trace)).split("Ranks (3)", 1)[1].splitlines()
+    assert lines[1].split() == ["rank", "status", "steps", "skipped", "first", "failure"]
+    assert lines[3].split() == ["0", "crashed", "3", "0", "—"]
+    assert lines[4].split() == ["▶", "1", "answered", "3", "1", "step", "2", "/", "data", "/",
+                                "fc", "/", "grad_output[0]"]  # fmt: skip
+    assert lines[5].split() == ["2", "no", "answer", "—", "—", "—"]
+    assert lines[6] == "• rank 0 crashed: RuntimeError: Connection closed by peer"
+    assert lines[7].startswith("▶ origin (first to fail)")
+
+
+def test_each_rank_gets_its_own_step_timeline():
+    lines = render(multi_rank_trace())
+    text = text_of(lines)
+    for rank, fail in ((0, None), (1, 2)):
+        head = next(i for i, line in enumerate(lines) if line.startswith(f"rank {rank} · 3 steps"))
+        rows = [line.split() for line in lines[head + 3 : head + 6]]
+        assert [r[0] for r in rows] == ["0", "1", "2"]
+        if fail is None:
+            assert "no non-finite values" in lines[head]
+            assert rows[0][1] == "5"  # rank 0's own loss, not the origin's
+        else:
+            assert "first failure at step 2" in lines[head]
+            assert rows[2][1:4] == ["nan", "2^16", "skipped"]
+            assert "first failure" in lines[head + 5]
+    assert "rank 2 ·" not in text  # no answer, no steps: the table says so
+
+
+def test_rank_timelines_are_folded_and_capped():
+    trace = multi_rank_trace()
+    trace.run.world_size = 11
+    trace.ranks = [RankSummary(r, steps=rank_steps(30)) for r in range(10)]
+    trace.ranks.append(RankSummary(10, first_failure=rank_failure(9), steps=rank_steps(30, 9)))
+    trace.first_failure.rank = 10
     text = text_of(render(trace))
-    assert "rank 0: no non-finite values in 1 step" in text
-    assert "rank 1: first failure at step 5 / backward / fc / grad_output[0]" in text
-    assert "rank 2: did not answer" in text
+    assert text.count(" · 30 steps") == 8
+    assert "rank 10 · 30 steps · first failure at step 9" in text  # the origin comes first
+    assert "rank 7 · 30 steps" not in text
+    assert "… 3 more rank timelines (use --all)" in text
+    assert "26 steps hidden" in text  # 2 first and 2 last steps
+    full = text_of(render(trace, show_all=True))
+    assert full.count(" · 30 steps") == 11
+    assert "steps hidden" not in full
+
+
+def test_ranks_section_reads_at_80_columns():
+    trace = multi_rank_trace()
+    long = "model." + ".".join(f"very_long_submodule_name_{i}" for i in range(5))
+    trace.ranks[1].first_failure.module = long
+    trace.ranks[0].status = "interrupted"
+    trace.ranks[0].error = "KeyboardInterrupt: " + "x" * 150
+    lines = render(trace)
+    assert all(len(line) <= 80 for line in lines)
+    assert "very_long_submodule_name_4" in "".join(line.strip() for line in lines)
 
 
 # ----------------------------------------------------------------------------- robustness
