@@ -17,6 +17,7 @@ and copied to the host in one transfer.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -56,21 +57,104 @@ def _exponent_field(f: torch.Tensor) -> torch.Tensor:
     return (f.view(torch.int32) >> 23) & 0xFF
 
 
+_ABS = 0x7FFFFFFF  # float32 bits without the sign
+_INF_BITS = 0x7F800000  # |x| bits of inf; above it: NaN
+_NEGINF_BITS = -8388608  # -inf's bits as int32
+
+
+def _bits32(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def _float32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
+
+
 @torch.no_grad()
 def summarize(t: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     """One float64 row of statistics for ``t``, on ``t``'s device, without syncing the host."""
     x = t.detach()
-    device = x.device
     n = x.numel()
     if n == 0:
-        row = torch.zeros(ROW_LEN, dtype=torch.float64, device=device)
+        row = torch.zeros(ROW_LEN, dtype=torch.float64, device=x.device)
         row[_AMIN] = float("inf")
         return row
+    if x.dtype == torch.float64:
+        return _summarize_generic(x.reshape(-1), fmt)
     f = x.reshape(-1)
-    if f.dtype in (torch.float16, torch.bfloat16):
+    if f.dtype != torch.float32:
         f = f.float()  # every fp16/bf16 value is exact in float32, subnormals included
-    # A histogram by scatter_add_, not bincount: bincount sizes its output from the data, which
-    # on CUDA reads the input's max back to the host (a sync per tensor).
+    if f.device.type == "cpu":
+        return _summarize_cpu(f, fmt)
+    return _summarize_device(f, fmt)
+
+
+def _summarize_cpu(f: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    """CPU tensors: reading a value back costs no device sync, so the histogram decides which
+    passes are needed (a finite tensor without zeros takes four)."""
+    bits = f.view(torch.int32)
+    ab = bits & _ABS
+    hist = torch.bincount(ab >> 23, minlength=_BINS)
+    count = torch.count_nonzero
+    nonfinite = int(hist[_BINS - 1])
+    nan = neginf = zero = 0
+    finite_ab = ab
+    if nonfinite:
+        nan = int(count(ab > _INF_BITS))
+        neginf = int(count(bits == _NEGINF_BITS))
+        finite_ab = torch.where(ab < _INF_BITS, ab, 0)
+    if int(hist[0]):  # zeros (or float32 subnormals): the smallest non-zero needs its own pass
+        zero = int(count(ab == 0))
+        amax = int(finite_ab.amax())
+        # zeros wrap to the top under (x - 1) & 0x7fffffff, so amin finds the smallest non-zero
+        amin = min(int(ab.sub(1).bitwise_and_(_ABS).amin()) + 1, _INF_BITS)
+    elif nonfinite:
+        amax = int(finite_ab.amax())
+        amin = min(int(ab.amin()), _INF_BITS)
+    else:
+        low, high = torch.aminmax(ab)
+        amin, amax = int(low), int(high)
+    max_bits, flush_bits = _bits32(fmt.max), _bits32(fmt.smallest_subnormal)
+    above = int(count(ab > max_bits)) - nonfinite if amax > max_bits or nonfinite else 0
+    flushed = int(count(ab < flush_bits)) - zero if amin < flush_bits else 0
+    head = torch.tensor(
+        [f.numel(), nan, nonfinite - nan - neginf, neginf, zero, _float32(amax),
+         _float32(amin), above, flushed],
+        dtype=torch.float64,
+    )
+    return torch.cat([head, hist.double()])
+
+
+def _summarize_device(f: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    """Accelerators: the same row from integer ops on the float32 bit pattern, never reading a
+    value back. A histogram by scatter_add_, not bincount: bincount sizes its output from the
+    data, which on CUDA reads the input's max back to the host (a sync per tensor)."""
+    device = f.device
+    bits = f.view(torch.int32)
+    ab = bits & _ABS
+    field = (ab >> 23).long()
+    hist = torch.zeros(_BINS, dtype=torch.int64, device=device)
+    hist.scatter_add_(0, field, torch.ones((), dtype=torch.int64, device=device).expand_as(field))
+    count = torch.count_nonzero
+    nonfinite = hist[_BINS - 1]
+    nan = count(ab > _INF_BITS)
+    neginf = count(bits == _NEGINF_BITS)
+    zero = count(ab == 0)
+    above = count(ab > _bits32(fmt.max)) - nonfinite
+    flushed = count(ab < _bits32(fmt.smallest_subnormal)) - zero
+    amax = torch.where(ab < _INF_BITS, ab, 0).amax().view(torch.float32)
+    amin = torch.where(ab == 0, _INF_BITS, ab).amin().clamp_(max=_INF_BITS).view(torch.float32)
+    head = torch.stack([
+        torch.full((), float(f.numel()), dtype=torch.float64, device=device),
+        nan.double(), (nonfinite - nan - neginf).double(), neginf.double(), zero.double(),
+        amax.double(), amin.double(), above.double(), flushed.double(),
+    ])
+    return torch.cat([head, hist.double()])
+
+
+def _summarize_generic(f: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    """Any floating dtype (float64) through float ops; sync-free."""
+    device = f.device
     field = _exponent_field(f).long()
     hist = torch.zeros(_BINS, dtype=torch.int64, device=device)
     hist.scatter_add_(0, field, torch.ones((), dtype=torch.int64, device=device).expand_as(field))
@@ -89,7 +173,7 @@ def summarize(t: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     flushed = (nonzero & (finite < fmt.smallest_subnormal)).sum()
     head = torch.stack(
         [
-            torch.full((), float(n), dtype=torch.float64, device=device),
+            torch.full((), float(f.numel()), dtype=torch.float64, device=device),
             nan.double(),
             posinf.double(),
             neginf.double(),
