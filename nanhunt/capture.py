@@ -102,6 +102,7 @@ def _leaves(obj: Any, path: str) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+_DROPOUT = (nn.modules.dropout._DropoutNd,)
 _WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
 
 
@@ -110,6 +111,13 @@ def _unwrap(root: nn.Module) -> nn.Module:
                                                           nn.Module):
         root = root.module
     return root
+
+
+def _foreach_norm(tensors: list[torch.Tensor], ord: float) -> tuple[torch.Tensor, ...]:
+    try:
+        return torch._foreach_norm(tensors, ord, dtype=torch.float32)
+    except (TypeError, RuntimeError):  # older torch: no dtype argument
+        return tuple(t.detach().float().norm(ord) for t in tensors)
 
 
 def _call_leaves(args: Any, kwargs: dict | None) -> list[tuple[str, torch.Tensor]]:
@@ -165,6 +173,7 @@ class _Meta:
     mutated: bool = False
     scale_index: int | None = None  # scalar index of the loss scale in effect (gradients)
     allowed: bool = False
+    approx: Any = None  # a cheap row (counts are flags): weakref to the tensor to redo exactly
 
 
 @dataclass
@@ -368,7 +377,7 @@ class Hunt:
         self._seen: dict[int, tuple[int, int, Any]] = {}  # id(tensor) -> (meta idx, version, ref)
         self._grad_handles: list[Any] = []
         self._grads: dict[int, torch.Tensor] = {}  # meta idx -> gradient (failing-step replay)
-        self._grad_sumsq: dict[int, torch.Tensor] = {}
+        self._grad_params: dict[int, torch.Tensor] = {}  # for the step's gradient norm
         self._metas = self._metas[self._flushed:]
         self._flushed = 0
         self._full = self._step % self.sample_every == 0 or bool(self._problem_steps)
@@ -651,6 +660,8 @@ class Hunt:
             self._remember(t, idx)
             if grad_on and t.requires_grad:
                 self._hook_grad(t, idx)
+        if isinstance(module, _DROPOUT) and self._alias_through(args, output):
+            return
         outs = _leaves(output, "output")
         for path, t in outs:
             if not _stats.summarizable(t):
@@ -684,6 +695,18 @@ class Hunt:
             if call.autocast[0]:
                 self.autocast_seen = True
         self.devices.add(outs[0][1].device.type if outs else "cpu")
+
+    def _alias_through(self, args: tuple, output: Any) -> bool:
+        """Dropout only masks and rescales by 1/(1-p): its output's values add nothing to its
+        input's, so the output is tied to the input's record instead of summarised (dropout
+        outputs and their gradients are a large share of a transformer's tensors)."""
+        if not isinstance(output, torch.Tensor) or len(args) != 1:
+            return False
+        idx = self._lookup(args[0]) if isinstance(args[0], torch.Tensor) else None
+        if idx is None:
+            return False
+        self._remember(output, idx)
+        return True
 
     def _describe_input(self, m: _Meta, frame: _Frame, call: _Call, path: str,
                         t: torch.Tensor) -> None:
@@ -737,7 +760,7 @@ class Hunt:
         self._phase = "backward"
         name, owner = self._param_names.get(p, ("<param>", ""))
         g = p.grad
-        self._grad_sumsq[id(p)] = g.detach().float().pow(2).sum()
+        self._grad_params[id(p)] = p
         if not self._full or not _stats.summarizable(g):
             return
         self._queue(g, _Meta(
@@ -745,6 +768,31 @@ class Hunt:
             tensor=f"{name}.grad", role="param_grad", dtype=str(g.dtype).removeprefix("torch."),
             shape=tuple(g.shape), owner=owner, scale_index=1,
         ))
+
+    @torch.no_grad()
+    def _queue_params(self, params: list[torch.Tensor]) -> None:
+        """Updated parameters, cheaply: one fused max-norm kernel per device gives each one's
+        amax, and NaN/inf when it went non-finite; a culprit is summarised exactly later."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in params:
+            by_device.setdefault(p.device, []).append(p)
+        for device, ps in by_device.items():
+            norms = torch.stack(_foreach_norm(ps, math.inf)).double()
+            rows = torch.zeros((len(ps), _stats.ROW_LEN), dtype=torch.float64, device=device)
+            rows[:, 0] = torch.tensor([float(p.numel()) for p in ps], dtype=torch.float64,
+                                      device=device)
+            rows[:, 1] = torch.isnan(norms).double()
+            rows[:, 2] = torch.isinf(norms).double()
+            rows[:, 5] = torch.where(torch.isfinite(norms), norms, 0.0)
+            rows[:, 6] = math.inf
+            self._pending_rows.extend(rows.unbind(0))
+            for p in ps:
+                name, owner = self._param_names.get(p, ("<param>", ""))
+                self._metas.append(_Meta(
+                    step=self._step, order=self._next_order(), phase="optimizer", module=owner,
+                    tensor=name, role="param", dtype=str(p.dtype).removeprefix("torch."),
+                    shape=tuple(p.shape), owner=owner, approx=weakref.ref(p)))
+                self.dtypes.add(str(p.dtype).removeprefix("torch."))
 
     def _record_loss(self, loss: torch.Tensor, role: str) -> None:
         if not _stats.summarizable(loss):
@@ -816,34 +864,21 @@ class Hunt:
         self._phase = "optimizer"
         self._optimizer_ran_step = self._step
         self._scalar(torch.ones((), dtype=torch.float64), "optimizer_ran")
-        if self._grad_sumsq:
-            self._scalar(torch.stack(list(self._grad_sumsq.values())).sum(), "grad_sumsq")
-            self._grad_sumsq = {}
         self._flush()  # the step's one transfer, before the update changes the weights
 
     def _on_opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._active:
             return
-        if self._full:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is None or not _stats.summarizable(p):
-                        continue
-                    name, owner = self._param_names.get(p, ("<param>", ""))
-                    self._queue(p, _Meta(
-                        step=self._step, order=self._next_order(), phase="optimizer",
-                        module=owner, tensor=name, role="param",
-                        dtype=str(p.dtype).removeprefix("torch."), shape=tuple(p.shape),
-                        owner=owner,
-                    ))
+        params = [p for group in optimizer.param_groups for p in group["params"]
+                  if p.grad is not None and _stats.summarizable(p) and not p.is_sparse]
+        if params:
+            self._queue_params(params)
         if not self._step_scaler:
             self._end_step()
 
     # -- step boundaries and the transfer ---------------------------------------------------
 
     def _end_step(self) -> None:
-        if self._grad_sumsq:
-            self._scalar(torch.stack(list(self._grad_sumsq.values())).sum(), "grad_sumsq")
         if not self._transferred:
             self._flush()
         self._step_records.setdefault(self._step, StepRecord(index=self._step))
@@ -862,6 +897,26 @@ class Hunt:
         if self.max_steps is not None and self._step >= self.max_steps:
             raise StopRun(f"nanhunt stopped the script after {self._step} steps (--max-steps)")
 
+    @torch.no_grad()
+    def _queue_grad_norm(self) -> None:
+        """The global norm of the gradients the optimizer sees (already unscaled by GradScaler
+        when it runs), one fused kernel per device."""
+        grads = [p.grad for p in self._grad_params.values() if p.grad is not None]
+        self._grad_params = {}
+        if not grads:
+            return
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            if not g.is_sparse:
+                by_device.setdefault(g.device, []).append(g)
+        total = None
+        for device_grads in by_device.values():
+            norms = torch.stack(_foreach_norm(device_grads, 2.0))
+            part = norms.double().pow(2).sum()
+            total = part if total is None else total + part.to(total.device)
+        if total is not None:
+            self._scalar(total, "grad_sumsq")
+
     def _clear_step_handles(self) -> None:
         for h in self._grad_handles:
             h.remove()
@@ -870,6 +925,7 @@ class Hunt:
     def _flush(self) -> None:
         """Move every queued row to the host in one transfer and digest it."""
         self._transferred = True
+        self._queue_grad_norm()
         rows, scalars, keys = self._pending_rows, self._pending_scalars, self._pending_scalar_keys
         if not rows and not scalars:
             return
@@ -1007,13 +1063,9 @@ class Hunt:
                     d.index, "backoff" if d.scale_after < d.scale else "growth",
                     d.scale, d.scale_after))
         if d.grad_sumsq is not None:
-            s = d.scale if (self._step_scaler_for(d) and d.scale) else 1.0
-            rec.grad_norm = math.sqrt(d.grad_sumsq) / s if math.isfinite(d.grad_sumsq) else \
+            rec.grad_norm = math.sqrt(d.grad_sumsq) if math.isfinite(d.grad_sumsq) else \
                 float("nan")
         self._judge(d, rec)
-
-    def _step_scaler_for(self, d: _StepData) -> bool:
-        return d.scale is not None
 
     def _judge(self, d: _StepData, rec: StepRecord) -> None:
         """Decide whether this step has a problem, and find the origin the first time."""
@@ -1115,6 +1167,10 @@ class Hunt:
                        stats=self._stats(m, r))
 
     def _stats(self, m: _Meta, row: np.ndarray) -> TensorStats:
+        if m.approx is not None:  # a cheap row: summarise the tensor exactly now (a failure)
+            t = m.approx()
+            if t is not None:
+                row = _stats.summarize(t, self.format).cpu().numpy()
         return _stats.decode(row, m.dtype, m.shape, self.format)
 
     def _tensor_record(self, m: _Meta, row: np.ndarray) -> TensorRecord:

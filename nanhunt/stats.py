@@ -60,6 +60,7 @@ def _exponent_field(f: torch.Tensor) -> torch.Tensor:
 _ABS = 0x7FFFFFFF  # float32 bits without the sign
 _INF_BITS = 0x7F800000  # |x| bits of inf; above it: NaN
 _NEGINF_BITS = -8388608  # -inf's bits as int32
+_MIN_NORMAL_BITS = 0x00800000  # 2**-126, float32's smallest normal
 
 
 def _bits32(x: float) -> int:
@@ -91,23 +92,25 @@ def summarize(t: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
 
 def _summarize_cpu(f: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     """CPU tensors: reading a value back costs no device sync, so the histogram decides which
-    passes are needed (a finite tensor without zeros takes four)."""
+    passes are needed; a finite tensor takes four (abs bits, exponent, histogram, min/max)."""
     bits = f.view(torch.int32)
     ab = bits & _ABS
     hist = torch.bincount(ab >> 23, minlength=_BINS)
+    counts = hist.tolist()
     count = torch.count_nonzero
-    nonfinite = int(hist[_BINS - 1])
+    nonfinite = counts[_BINS - 1]
     nan = neginf = zero = 0
     finite_ab = ab
     if nonfinite:
         nan = int(count(ab > _INF_BITS))
         neginf = int(count(bits == _NEGINF_BITS))
         finite_ab = torch.where(ab < _INF_BITS, ab, 0)
-    if int(hist[0]):  # zeros (or float32 subnormals): the smallest non-zero needs its own pass
-        zero = int(count(ab == 0))
-        amax = int(finite_ab.amax())
+    if counts[0]:  # zeros, or float32 subnormals
         # zeros wrap to the top under (x - 1) & 0x7fffffff, so amin finds the smallest non-zero
         amin = min(int(ab.sub(1).bitwise_and_(_ABS).amin()) + 1, _INF_BITS)
+        amax = int(finite_ab.amax())
+        # no non-zero value below 2**-126: bin 0 holds only zeros
+        zero = counts[0] if amin >= _MIN_NORMAL_BITS else int(count(ab == 0))
     elif nonfinite:
         amax = int(finite_ab.amax())
         amin = min(int(ab.amin()), _INF_BITS)
@@ -115,14 +118,20 @@ def _summarize_cpu(f: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
         low, high = torch.aminmax(ab)
         amin, amax = int(low), int(high)
     max_bits, flush_bits = _bits32(fmt.max), _bits32(fmt.smallest_subnormal)
-    above = int(count(ab > max_bits)) - nonfinite if amax > max_bits or nonfinite else 0
-    flushed = int(count(ab < flush_bits)) - zero if amin < flush_bits else 0
+    above = int(count(ab > max_bits)) - nonfinite if amax > max_bits else 0
+    subnormal32 = counts[0] - zero
+    if flush_bits >= _MIN_NORMAL_BITS:  # a power of two among the normal binades: exact
+        flushed = sum(counts[1:flush_bits >> 23]) + subnormal32
+    elif subnormal32:
+        flushed = int(count(ab < flush_bits)) - zero
+    else:
+        flushed = 0
     head = torch.tensor(
         [f.numel(), nan, nonfinite - nan - neginf, neginf, zero, _float32(amax),
          _float32(amin), above, flushed],
         dtype=torch.float64,
     )
-    return torch.cat([head, hist.double()])
+    return torch.cat([head, torch.tensor(counts, dtype=torch.float64)])
 
 
 def _summarize_device(f: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
