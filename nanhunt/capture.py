@@ -145,7 +145,8 @@ def _variable_name(obj: object) -> str | None:
 
 _THIS_PACKAGE_DIR = __file__.rsplit("/", 1)[0]
 _MAX_ANCESTOR_COPY = 20_000_000  # parameters: larger enclosing modules are not copied
-_HIST_OFFSET = 320  # gradient histograms span binades -320..319 (room to unscale)
+_HIST_OFFSET = 320
+HISTORY = 10_000  # steps of timeline and per-layer history kept (memory stays bounded)  # gradient histograms span binades -320..319 (room to unscale)
 
 
 # ----------------------------------------------------------------------------- per-step state
@@ -344,7 +345,7 @@ class Hunt:
         self.scaler_seen = False
         self._steps: deque[_StepData] = deque(maxlen=self.keep_steps)
         self._step_records: dict[int, StepRecord] = {}
-        self._step_order: deque[int] = deque(maxlen=max(self.keep_steps, 10_000))
+        self._step_order: deque[int] = deque(maxlen=max(self.keep_steps, HISTORY))
         self._layers: dict[str, _LayerAcc] = {}
         self._grad_hist: dict[str, np.ndarray] = {}
         self._names = WeakIdKeyDictionary()  # module -> name
@@ -361,7 +362,7 @@ class Hunt:
         self._stop_pending = False
         self._saw_optimizer = False
         self._failure_order = self._origin_order = 0
-        self._counted_skips: set[int] = set()
+        self._last_counted_skip = -1
         self._metas: list[_Meta] = []  # this step's rows (and rows still queued from the last)
         self._flushed = 0  # how many of self._metas have crossed to the host
         self._pending_rows: list[torch.Tensor] = []
@@ -881,9 +882,7 @@ class Hunt:
     def _end_step(self) -> None:
         if not self._transferred:
             self._flush()
-        self._step_records.setdefault(self._step, StepRecord(index=self._step))
-        if self._step not in self._step_order:
-            self._step_order.append(self._step)
+        self._step_record(self._step)
         self._clear_step_handles()
         if self.on_step is not None:
             self.on_step(self._step_records[self._step], self)
@@ -1045,12 +1044,26 @@ class Hunt:
             out[dtype] = {int(i) - _HIST_OFFSET: int(hist[i]) for i in nz}
         return out
 
-    def _update_step(self, d: _StepData) -> None:
-        rec = self._step_records.get(d.index)
+    def _step_record(self, index: int) -> StepRecord:
+        """The step's record, made on first use; the oldest are dropped past HISTORY steps."""
+        rec = self._step_records.get(index)
         if rec is None:
-            rec = self._step_records[d.index] = StepRecord(index=d.index)
-            if d.index not in self._step_order:
-                self._step_order.append(d.index)
+            rec = self._step_records[index] = StepRecord(index=index)
+            if len(self._step_order) == self._step_order.maxlen:
+                self._step_records.pop(self._step_order[0], None)
+            self._step_order.append(index)
+            if index % max(1, HISTORY // 10) == 0:
+                self._prune_history(index - HISTORY)
+        return rec
+
+    def _prune_history(self, oldest: int) -> None:
+        for acc in self._layers.values():
+            for by_step in (acc.fwd_by_step, acc.bwd_by_step, acc.param_by_step):
+                for k in [k for k in by_step if k < oldest]:
+                    del by_step[k]
+
+    def _update_step(self, d: _StepData) -> None:
+        rec = self._step_record(d.index)
         rec.loss = d.loss
         rec.scale = d.scale
         nonfinite = [m for m, r in zip(d.metas, d.rows) if r[1] + r[2] + r[3] > 0]
@@ -1058,7 +1071,8 @@ class Hunt:
         rec.records = len(d.metas)
         if d.scale_after is not None and d.scale is not None:
             rec.skipped = bool(d.found_inf) if d.found_inf is not None else d.scale_after < d.scale
-            if d.scale_after != d.scale and not any(e.step == d.index for e in self.scaler_events):
+            if d.scale_after != d.scale and len(self.scaler_events) < HISTORY and not (
+                    self.scaler_events and self.scaler_events[-1].step >= d.index):
                 self.scaler_events.append(ScalerEvent(
                     d.index, "backoff" if d.scale_after < d.scale else "growth",
                     d.scale, d.scale_after))
@@ -1082,8 +1096,8 @@ class Hunt:
         elif self._root_output_bad(d):
             problem = "output"
         if rec.skipped and d.scale_after is not None:
-            if d.index not in self._counted_skips:
-                self._counted_skips.add(d.index)
+            if d.index > self._last_counted_skip:
+                self._last_counted_skip = d.index
                 self._skip_streak += 1
                 self._note_fact(("scaler", "", str(d.scale)),
                                 f"step {d.index}: GradScaler found inf/NaN in the scaled gradients "

@@ -412,3 +412,19 @@ def test_sampled_mode_traces_every_nth_step_and_escalates_on_failure():
     f = hunt.first_failure
     assert (f.step, f.tensor) == (5, "loss")  # found by the cheap check, in an unsampled step
     assert any(r.module == "encoder.blocks.0.ffn.wi" for r in hunt.records(6))  # escalated
+
+
+def test_memory_is_bounded_over_a_long_run(monkeypatch):
+    monkeypatch.setattr(capture, "HISTORY", 40)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, opt, keep_steps=5) as hunt:
+        for _ in range(130):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    assert len(hunt.steps) == 40 and hunt.steps[-1].index == 129
+    assert len(hunt._steps) == 5
+    layer = hunt.layers[0]
+    assert len(layer.forward_amax_by_step) <= 40 + 4
+    assert layer.calls == 130  # the aggregate ranges still cover the whole run
