@@ -1,0 +1,72 @@
+"""`nanhunt report` and `nanhunt replay` on what `nanhunt diagnose` wrote, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module")
+def diagnosed(tmp_path_factory):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("diag") / "nanhunt-report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--out", str(out),
+         str(EXAMPLES / "sqrt_backward.py")],
+        capture_output=True, text=True, timeout=180,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1, proc.stderr
+    return out
+
+
+def test_report_renders_again_and_writes_html(run_cli, diagnosed, tmp_path):
+    html = tmp_path / "again.html"
+    res = run_cli("report", str(diagnosed / "report.json"), "--html", str(html))
+    assert res.code == 0, res.stderr
+    assert "PROBLEM" in res.stdout and "norm" in res.stdout
+    assert html.read_text().lower().startswith("<!doctype html>")
+    # a folder works too
+    assert run_cli("report", str(diagnosed)).code == 0
+
+
+def test_report_refuses_other_schema_versions_and_corrupt_files(run_cli, diagnosed, tmp_path):
+    data = json.loads((diagnosed / "report.json").read_text())
+    data["schema_version"] = 99
+    newer = tmp_path / "newer.json"
+    newer.write_text(json.dumps(data))
+    res = run_cli("report", str(newer))
+    assert res.code == 2
+    assert res.stderr.strip() == ("nanhunt: report schema version 99 is not supported (this "
+                                  "nanhunt reads version 1)")
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text((diagnosed / "report.json").read_text()[:500])
+    res = run_cli("report", str(corrupt))
+    assert res.code == 2
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_replay_prints_the_op_level_trace(run_cli, diagnosed):
+    res = run_cli("replay", str(diagnosed / "snapshot.pt"))
+    assert res.code == 0, res.stderr
+    assert "replay of norm" in res.stdout
+    assert "first non-finite value: aten.div (backward)" in res.stdout
+    assert "sqrt_backward.py:" in res.stdout
+
+
+def test_replay_in_float32(run_cli, diagnosed):
+    res = run_cli("replay", str(diagnosed / "snapshot.pt"), "--dtype", "float32")
+    assert res.code == 0, res.stderr
+    assert "aten." in res.stdout
+
+
+def test_replay_of_a_missing_file_is_a_usage_error(run_cli, tmp_path):
+    res = run_cli("replay", str(tmp_path / "nope.pt"))
+    assert res.code == 2
+    assert res.stderr.startswith("nanhunt: no such snapshot")
