@@ -145,8 +145,8 @@ def _variable_name(obj: object) -> str | None:
 
 _THIS_PACKAGE_DIR = __file__.rsplit("/", 1)[0]
 _MAX_ANCESTOR_COPY = 20_000_000  # parameters: larger enclosing modules are not copied
-_HIST_OFFSET = 320
-HISTORY = 10_000  # steps of timeline and per-layer history kept (memory stays bounded)  # gradient histograms span binades -320..319 (room to unscale)
+_HIST_OFFSET = 320  # gradient histograms span binades -320..319 (room to unscale)
+HISTORY = 10_000  # steps of timeline and per-layer history kept (memory stays bounded)
 
 
 # ----------------------------------------------------------------------------- per-step state
@@ -512,7 +512,8 @@ class Hunt:
 
     # -- naming -------------------------------------------------------------------------
 
-    def _add_root(self, root: nn.Module, *, primary: bool = False, label: str | None = None) -> None:
+    def _add_root(self, root: nn.Module, *, primary: bool = False,
+                  label: str | None = None) -> None:
         label = label or _variable_name(root) or type(root).__name__
         has_params = next(root.parameters(), None) is not None
         if not self._primary_set and (primary or has_params):
@@ -526,10 +527,7 @@ class Hunt:
             self._types[label] = type(root).__name__
             root = inner
         for qual, mod in root.named_modules():
-            if primary:
-                name = qual or label
-            else:
-                name = f"{label}.{qual}" if qual else label
+            name = (qual or label) if primary else (f"{label}.{qual}" if qual else label)
             self._names[mod] = name
             self._types[name] = type(mod).__name__
             for pname, p in mod.named_parameters(recurse=False):
@@ -606,7 +604,8 @@ class Hunt:
             return
         name = self._name_of(module)
         call = len(self._calls)
-        self._calls.append(_Call(call, module, name, self._frames[-1].call if self._frames else None))
+        parent = self._frames[-1].call if self._frames else None
+        self._calls.append(_Call(call, module, name, parent))
         versions = [(t, t._version) for t in args if isinstance(t, torch.Tensor)]
         self._frames.append(_Frame(module, name, call, self._next_order(), versions))
 
@@ -1033,7 +1032,7 @@ class Hunt:
         if hist is None:
             hist = self._grad_hist[dtype] = np.zeros(2 * _HIST_OFFSET, dtype=np.float64)
         lo = _HIST_OFFSET + 1 - 127 - shift  # index of exponent-field 1's binade
-        if 0 <= lo and lo + 254 <= len(hist):
+        if lo >= 0 and lo + 254 <= len(hist):
             hist[lo:lo + 254] += row[_stats._HEAD + 1:_stats._HEAD + 255]
 
     def grad_histograms(self) -> dict[str, dict[int, int]]:

@@ -184,7 +184,7 @@ def _columns() -> int:
         return 80
 
 
-class _Terminated(BaseException):  # noqa: N818
+class _Terminated(BaseException):
     pass
 
 

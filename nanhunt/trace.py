@@ -115,7 +115,8 @@ class TensorRecord:
     order: int
     phase: str
     module: str  # qualified module name; "" when no module owns it (the loss, a parameter's update)
-    tensor: str  # "input[0]", "output", "output['logits']", "grad_output[0]", "fc.weight.grad", "loss"
+    # "input[0]", "output", "output['logits']", "grad_output[0]", "fc.weight.grad", "loss"
+    tensor: str
     role: str  # input | output | grad_output | grad_input | param_grad | param | loss | scaled_loss
     stats: TensorStats
     mutated: bool = False  # changed in place after it was summarised
@@ -204,7 +205,8 @@ class Finding:
     """A diagnosis (severity "error") or an at-risk warning, with the evidence behind it."""
 
     rule: str
-    kind: str  # overflow | underflow | nan_op | bad_input | exploding_gradient | lr_too_high | loss_scale
+    # overflow | underflow | nan_op | bad_input | exploding_gradient | lr_too_high | loss_scale
+    kind: str
     severity: str  # error | warning | info
     message: str
     evidence: list[str] = field(default_factory=list)
@@ -218,7 +220,9 @@ class Finding:
 
 @dataclass
 class Recommendation:
-    type: str  # init_scale | fp32_module | clip_grad_norm | lower_lr | eps | normalize_input | clamp | fix_data
+    # init_scale | fp32_module | clip_grad_norm | lower_lr | eps | normalize_input | clamp |
+    # fix_data
+    type: str
     value: Any
     snippet: str
     evidence: list[str] = field(default_factory=list)

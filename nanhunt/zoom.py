@@ -106,7 +106,7 @@ class _OpRecorder(TorchDispatchMode):
         self.dropped = 0
         self.op_floor = op_floor  # (op name, minimum): clamp that op's first input (a fix)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: A002
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.op_floor and torch._C._current_graph_task_id() == -1 and args and \
                 str(getattr(func, "overloadpacket", "")) == f"aten.{self.op_floor[0]}" and \
                 isinstance(args[0], torch.Tensor) and args[0].is_floating_point():

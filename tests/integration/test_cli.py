@@ -9,10 +9,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -58,7 +58,8 @@ class Net(nn.Module):
         return self.head(self.encoder(x))
 
 
-def amp_step(model, opt, scaler, x, y, crit=nn.CrossEntropyLoss()):
+def amp_step(model, opt, scaler, x, y, crit=None):
+    crit = crit or nn.CrossEntropyLoss()
     with torch.autocast("cpu", dtype=torch.float16):
         loss = crit(model(x), y)
     opt.zero_grad()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def test_backward_op_is_traced_to_the_forward_line():
 
 
 def _line(fragment: str) -> int:
-    lines = open(__file__).read().splitlines()
+    lines = Path(__file__).read_text().splitlines()
     return next(i + 1 for i, line in enumerate(lines) if fragment in line and "_line(" not in line)
 
 
