@@ -61,6 +61,18 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+try:
+    _compiling = torch.compiler.is_compiling
+except AttributeError:  # torch < 2.3
+    _compiling = torch._dynamo.is_compiling
+
+
+def _skip() -> bool:
+    """Hooks do nothing while Dynamo traces a compiled region (its kernels are not
+    observable from Python; the hooks must not become part of the graph)."""
+    return _compiling()
+
+
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype | None]:
     try:
         if not torch.is_autocast_enabled(device_type):
@@ -103,13 +115,13 @@ def _leaves(obj: Any, path: str) -> list[tuple[str, torch.Tensor]]:
 
 
 _DROPOUT = (nn.modules.dropout._DropoutNd,)
-_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+_WRAPPERS = {"DistributedDataParallel": "module", "DataParallel": "module",
+             "FullyShardedDataParallel": "module", "OptimizedModule": "_orig_mod"}
 
 
 def _unwrap(root: nn.Module) -> nn.Module:
-    while type(root).__name__ in _WRAPPERS and isinstance(getattr(root, "module", None),
-                                                          nn.Module):
-        root = root.module
+    while isinstance(getattr(root, _WRAPPERS.get(type(root).__name__, ""), None), nn.Module):
+        root = getattr(root, _WRAPPERS[type(root).__name__])
     return root
 
 
@@ -593,7 +605,7 @@ class Hunt:
                    for p in self.allow_inf)
 
     def _on_pre(self, module: nn.Module, args: tuple) -> None:
-        if not self._active:
+        if not self._active or _skip():
             return
         if _in_backward():
             return  # activation-checkpoint recompute
@@ -617,7 +629,7 @@ class Hunt:
         return None
 
     def _on_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not self._active or not self._full or _in_backward():
+        if not self._active or not self._full or _in_backward() or _skip():
             return
         frame = self._pop_frame(module)
         if frame is None:
@@ -743,7 +755,8 @@ class Hunt:
         )
 
     def _on_grad(self, idx: int, grad: torch.Tensor) -> None:
-        if not self._active or idx >= len(self._metas) or not _stats.summarizable(grad):
+        if not self._active or idx >= len(self._metas) or not _stats.summarizable(grad) \
+                or _skip():
             return
         self._phase = "backward"
         self._did_backward = True
@@ -754,7 +767,7 @@ class Hunt:
         del gidx
 
     def _on_param_grad(self, p: torch.Tensor) -> None:
-        if not self._active or p.grad is None:
+        if not self._active or p.grad is None or _skip():
             return
         self._did_backward = True
         self._phase = "backward"

@@ -429,3 +429,17 @@ def test_memory_is_bounded_over_a_long_run(monkeypatch):
     layer = hunt.layers[0]
     assert len(layer.forward_amax_by_step) <= 40 + 4
     assert layer.calls == 130  # the aggregate ranges still cover the whole run
+
+
+def test_compiled_model_runs_untraced_inside_and_does_not_break():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt) as hunt:
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(2):
+            opt.zero_grad()
+            compiled(torch.randn(3, 4)).pow(2).mean().backward()
+            opt.step()
+    assert [s.index for s in hunt.steps] == [0, 1]
+    assert all(s.loss is not None and s.grad_norm is not None for s in hunt.steps)
+    assert hunt.first_failure is None
