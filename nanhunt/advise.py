@@ -933,7 +933,32 @@ def _fix_data(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | 
 
 
 #: Which recommendations answer which rule, most relevant first.
+_SCALER_LOOP = """\
+with torch.autocast(device_type, dtype=torch.float16):
+    loss = loss_fn(model(inputs), targets)
+optimizer.zero_grad()
+scaler.scale(loss).backward()   # gradients multiplied by the scale
+scaler.unscale_(optimizer)      # optional: only if you clip or inspect gradients
+torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+scaler.step(optimizer)          # unscales (if not yet), skips the step on inf/NaN
+scaler.update()                 # backs off or grows the scale"""
+
+
+def _scaler_usage(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    code = finding.data.get("misuse")
+    if not code:
+        return None
+    return Recommendation(
+        type="scaler_usage",
+        value=code,
+        snippet=_SCALER_LOOP,
+        evidence=[finding.message, *finding.evidence],
+        data={"misuse": code},
+    )
+
+
 ADVICE: dict[str, tuple[Builder, ...]] = {
+    "scaler-misuse": (_scaler_usage,),
     "bad-input": (_fix_data, _normalize_input),
     "forward-overflow": (_fp32_module, _normalize_input, _clamp),
     "backward-overflow": (_fp32_module, _init_scale, _clip_grad_norm),

@@ -374,6 +374,7 @@ class Hunt:
         self._stop_pending = False
         self._saw_optimizer = False
         self._failure_order = self._origin_order = 0
+        self._optimizer_ran_step = -1
         self._last_counted_skip = -1
         self._metas: list[_Meta] = []  # this step's rows (and rows still queued from the last)
         self._flushed = 0  # how many of self._metas have crossed to the host
@@ -612,6 +613,8 @@ class Hunt:
         if not self._frames and self._did_backward and not self._saw_optimizer \
                 and not self._step_scaler:
             self._end_step()  # a loop with no optimizer: a new forward starts a new step
+        elif not self._frames and self._step_scaler and self._optimizer_ran_step == self._step:
+            self._end_step()  # scaler.update() was never called: the step ended anyway
         if not self._full:
             return
         name = self._name_of(module)
@@ -782,6 +785,11 @@ class Hunt:
             shape=tuple(g.shape), owner=owner, scale_index=1,
         ))
 
+    def _misuse(self, code: str) -> None:
+        rec = self._step_record(self._step)
+        if code not in rec.misuse:
+            rec.misuse.append(code)
+
     @torch.no_grad()
     def _queue_params(self, params: list[torch.Tensor]) -> None:
         """Updated parameters, cheaply: one fused max-norm kernel per device gives each one's
@@ -845,6 +853,7 @@ class Hunt:
                     hunt._scaled_loss_ids.add(id(result))
                 if scaler._scale is not None:
                     hunt._scalar(scaler._scale, "scale")
+                hunt._scaler_ref = weakref.ref(scaler)
             return result
 
         scale.__wrapped__ = original  # type: ignore[attr-defined]
@@ -859,6 +868,8 @@ class Hunt:
             hunt.scaler_seen = True
             found = [f for s in scaler._per_optimizer_states.values()
                      for f in s["found_inf_per_device"].values()]
+            if found and not hunt._step_scaler and hunt._did_backward:
+                hunt._misuse("unscaled_loss")
             if found:
                 hunt._scalar(sum(f.to(scaler._scale.device) for f in found), "found_inf")
             hunt._scalar(scaler._scale.clone(), "scale_before")
@@ -875,6 +886,13 @@ class Hunt:
             return
         self._saw_optimizer = True
         self._phase = "optimizer"
+        scaler = self._scaler_ref() if self._scaler_ref is not None else None
+        if self._step_scaler and scaler is not None and scaler.is_enabled():
+            # scaler.step(optimizer) unscales first; a direct optimizer.step() does not
+            state = scaler._per_optimizer_states.get(id(optimizer))
+            stage = getattr(state.get("stage"), "name", "READY") if state else "READY"
+            if stage == "READY":
+                self._misuse("optimizer_on_scaled_grads")
         self._optimizer_ran_step = self._step
         self._scalar(torch.ones((), dtype=torch.float64), "optimizer_ran")
         self._flush()  # the step's one transfer, before the update changes the weights

@@ -61,6 +61,7 @@ KINDS = (
 #: upstream of an overflow (weights or gradients growing step over step) outrank the overflow
 #: they lead to; an invalid op (log(0)) is not explained by growth, so nan_op rules come first.
 PRECEDENCE = (
+    "scaler-misuse",
     "bad-input",
     "optimizer-update",
     "optimizer-eps",
@@ -74,6 +75,9 @@ PRECEDENCE = (
     "forward-overflow",
     "backward-overflow",
 )
+
+#: Rules whose errors are the diagnosis even when no value went non-finite.
+ALWAYS_PRIMARY = ("scaler-misuse",)
 
 #: Score of the primary diagnosis; errors that lose to it are kept as warnings with this score.
 ERROR_SCORE = 10.0
@@ -1032,6 +1036,44 @@ def optimizer_eps(trace: Trace, ctx: Context) -> Iterator[Finding]:
     )
 
 
+_MISUSE = {
+    "optimizer_on_scaled_grads": (
+        "optimizer.step() ran on gradients still multiplied by the loss scale",
+        "call scaler.step(optimizer) instead of optimizer.step(): it unscales the gradients "
+        "and skips steps whose gradients overflowed",
+    ),
+    "unscaled_loss": (
+        "scaler.step()/update() ran after a backward of a loss that scaler.scale() never "
+        "multiplied, so the gradients were divided by a scale they never had",
+        "call scaler.scale(loss).backward(), not loss.backward()",
+    ),
+}
+
+
+@rule(id="scaler-misuse", kind="loss_scale", needs=("steps",))
+def scaler_misuse(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """GradScaler used the wrong way round: its effect on every update is a factor of the
+    scale, which explains whatever failure follows."""
+    for code, (what, fix) in _MISUSE.items():
+        steps = [s for s in trace.steps if code in s.misuse]
+        if not steps:
+            continue
+        scales = sorted({s.scale for s in steps if s.scale})
+        factor = f" ({scales[0]:g})" if len(scales) == 1 else ""
+        yield _finding(
+            "error",
+            f"{what}{factor}: every update was off by that factor; {fix}",
+            [
+                f"seen at {len(steps)} step(s): {_span([(s.index, 0.0) for s in steps])}",
+                *([f"loss scale in effect: {', '.join(f'{x:g}' for x in scales[:4])}"]
+                  if scales else []),
+            ],
+            phase="loss_scaling",
+            step=steps[0].index,
+            data={"misuse": code, "steps": [s.index for s in steps[:50]]},
+        )
+
+
 @rule(id="scale-collapse", kind="loss_scale", needs=("first_failure", "steps"))
 def scale_collapse(trace: Trace, ctx: Context) -> Iterator[Finding]:
     """GradScaler skipped step after step until the scale collapsed: the gradient is non-finite
@@ -1620,7 +1662,9 @@ def diagnose(trace: Trace, *, strict: bool = False, thresholds: Thresholds | Non
             finding.kind = finding.kind or r.kind
             (errors if finding.severity == "error" else warnings).append(finding)
     primary = None
-    if errors and trace.first_failure is not None:
+    # a misused GradScaler is a bug whether or not the run has failed yet
+    if errors and (trace.first_failure is not None
+                   or any(e.rule in ALWAYS_PRIMARY for e in errors)):
         rank = {rid: i for i, rid in enumerate(PRECEDENCE)}
         errors.sort(key=lambda e: rank.get(e.rule, len(rank)))
         primary = errors.pop(0)

@@ -44,6 +44,8 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
         return trace
     _guard(trace, "diagnosis", diagnose, trace)
     _promote_severe_underflow(trace)
+    if trace.diagnosis is not None and trace.diagnosis.severity == "error":
+        trace.problem = True  # e.g. a misused GradScaler before anything went non-finite
     _guard(trace, "advice", advise, trace)
     if snapshot is not None:
         _guard(trace, "verification", zoom.verify, trace, snapshot)

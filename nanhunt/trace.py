@@ -133,6 +133,10 @@ class StepRecord:
     grad_norm: float | None = None  # global L2 norm of unscaled parameter gradients
     nonfinite: bool = False  # any non-finite value recorded in the step
     records: int = 0  # how many tensors were summarised
+    # GradScaler misuse seen in the step: "optimizer_on_scaled_grads" (optimizer.step() ran on
+    # gradients still multiplied by the scale), "unscaled_loss" (scaler.step/update without
+    # scaler.scale(loss): gradients divided by a scale they were never multiplied by)
+    misuse: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -438,6 +438,7 @@ def _why_not(kind: str) -> str:
         "lower_lr": "not checked by replay: the learning rate acts over training steps",
         "fix_data": "not checked by replay: needs the data pipeline",
         "normalize_input": "not checked by replay: needs the data pipeline",
+        "scaler_usage": "not checked by replay: the fix is in the training loop",
     }.get(kind, "not checked: no captured culprit to replay this on")
 
 

@@ -443,3 +443,37 @@ def test_compiled_model_runs_untraced_inside_and_does_not_break():
     assert [s.index for s in hunt.steps] == [0, 1]
     assert all(s.loss is not None and s.grad_norm is not None for s in hunt.steps)
     assert hunt.first_failure is None
+
+
+def test_optimizer_step_on_scaled_gradients_is_flagged_and_diagnosed():
+    from nanhunt.pipeline import analyse
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with nanhunt.watch(model, opt, scaler) as hunt:
+        for x, y in batches(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            opt.step()  # the bug: scaler.step(opt) unscales first; no scaler.update() either
+    assert hunt.steps[0].misuse == ["optimizer_on_scaled_grads"]
+    assert len(hunt.steps) == 3  # steps still end without scaler.update()
+    trace = analyse(hunt.trace(), hunt.snapshot)
+    assert trace.diagnosis.rule == "scaler-misuse"
+    assert trace.diagnosis.kind == "loss_scale"
+    assert "65536" in trace.diagnosis.message
+    assert trace.recommendations[0].type == "scaler_usage"
+    assert "scaler.step(optimizer)" in trace.recommendations[0].snippet
+
+
+def test_correct_scaler_use_is_not_flagged():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with nanhunt.watch(model, opt, scaler) as hunt:
+        for x, y in batches(3):
+            amp_step(model, opt, scaler, x, y)
+    assert all(not s.misuse for s in hunt.steps)
