@@ -800,8 +800,7 @@ class Hunt:
         for device, ps in by_device.items():
             norms = torch.stack(_foreach_norm(ps, math.inf)).double()
             rows = torch.zeros((len(ps), _stats.ROW_LEN), dtype=torch.float64, device=device)
-            rows[:, 0] = torch.tensor([float(p.numel()) for p in ps], dtype=torch.float64,
-                                      device=device)
+            # numel is filled in on the host (no host-to-device copy here)
             rows[:, 1] = torch.isnan(norms).double()
             rows[:, 2] = torch.isinf(norms).double()
             rows[:, 5] = torch.where(torch.isfinite(norms), norms, 0.0)
@@ -894,7 +893,7 @@ class Hunt:
             if stage == "READY":
                 self._misuse("optimizer_on_scaled_grads")
         self._optimizer_ran_step = self._step
-        self._scalar(torch.ones((), dtype=torch.float64), "optimizer_ran")
+        self._data_for(self._step).optimizer_ran = True  # known on the host: no transfer
         self._flush()  # the step's one transfer, before the update changes the weights
 
     def _on_opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -1006,12 +1005,12 @@ class Hunt:
                 d.scale_after = float(value)
             elif key == "found_inf":
                 d.found_inf = bool(value > 0)
-            elif key == "optimizer_ran":
-                d.optimizer_ran = True
             elif key == "grad_sumsq":
                 d.grad_sumsq = float(value)
         arrived = []
         for meta, row in zip(new, matrix):
+            if meta.approx is not None:
+                row[0] = math.prod(meta.shape)
             d = touched.setdefault(meta.step, self._data_for(meta.step))
             d.metas.append(meta)
             d.rows.append(row)
