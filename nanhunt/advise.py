@@ -160,15 +160,17 @@ def lr_factor(growth_per_step: float) -> float:
 
     The weights change by ``growth - 1`` of their size a step; updates scale with the learning
     rate, so the factor that brings that change to 10% is ``0.1 / (growth - 1)``, rounded down
-    to a power of ten and at most 0.1.
+    to a power of ten, between 0.01 and 0.1.
 
     >>> lr_factor(35.0), lr_factor(1.6)
-    (0.001, 0.1)
+    (0.01, 0.1)
     """
     if not growth_per_step > 1:
         return 0.1
     f = _TARGET_UPDATE / (growth_per_step - 1)
-    return min(0.1, 10.0 ** math.floor(math.log10(f)))
+    # a diverging run grows by feedback, far faster than its learning rate alone would say:
+    # more than 100x lower is rarely needed, and a second look after the change is cheap
+    return max(0.01, min(0.1, 10.0 ** math.floor(math.log10(f))))
 
 
 def suggest_eps(fmt: NumberFormat) -> float:
@@ -981,6 +983,9 @@ ADVICE: dict[str, tuple[Builder, ...]] = {
 }
 
 
+_WHOLE_RUN_CAUSES = ("lr_too_high", "exploding_gradient", "bad_input")
+
+
 def advise(trace: Trace) -> None:
     """Fill ``trace.recommendations`` from the diagnosis and the warnings (not info findings).
 
@@ -991,7 +996,10 @@ def advise(trace: Trace) -> None:
         diagnose(trace)
     ctx = Context(trace)
     findings = [trace.diagnosis] if trace.diagnosis is not None else []
-    findings += [w for w in trace.warnings if w.severity == "warning"]
+    if trace.diagnosis is None or trace.diagnosis.kind not in _WHOLE_RUN_CAUSES:
+        # with a cause that acts on the whole run (a learning rate, the data, the scaler),
+        # the ranges it pushed to the limit are symptoms: no advice for them
+        findings += [w for w in trace.warnings if w.severity == "warning"]
     recs: list[Recommendation] = []
     seen: set[tuple[str, str | None]] = set()
     for finding in findings:

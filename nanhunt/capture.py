@@ -156,6 +156,35 @@ def _variable_name(obj: object) -> str | None:
 
 
 _THIS_PACKAGE_DIR = __file__.rsplit("/", 1)[0]
+_TORCH_DIR = torch.__file__.rsplit("/", 1)[0]
+
+
+def _owner_of(module: nn.Module) -> nn.Module:
+    """The largest model in the user's reach that contains ``module``: a submodule called
+    through a method of its model (``vae.decode(z)`` runs ``vae.decoder``) is named inside it."""
+    candidates: list[nn.Module] = []
+    main = sys.modules.get("__main__")
+    frame = sys._getframe(1)
+    scopes = []
+    while frame is not None:
+        fname = frame.f_code.co_filename
+        if not (fname.startswith(_THIS_PACKAGE_DIR) or fname.startswith(_TORCH_DIR)):
+            scopes.append(frame.f_locals)
+        frame = frame.f_back
+    if main is not None:
+        scopes.append(vars(main))
+    seen: set[int] = {id(module)}
+    for scope in scopes:
+        for value in list(scope.values()):
+            if isinstance(value, nn.Module) and id(value) not in seen:
+                seen.add(id(value))
+                candidates.append(value)
+    best, size = module, 0
+    for cand in candidates:
+        mods = list(cand.modules())
+        if len(mods) > size and any(m is module for m in mods):
+            best, size = cand, len(mods)
+    return best
 _MAX_ANCESTOR_COPY = 20_000_000  # parameters: larger enclosing modules are not copied
 _HIST_OFFSET = 320  # gradient histograms span binades -320..319 (room to unscale)
 HISTORY = 10_000  # steps of timeline and per-layer history kept (memory stays bounded)
@@ -392,6 +421,7 @@ class Hunt:
         self._grad_handles: list[Any] = []
         self._grads: dict[int, torch.Tensor] = {}  # meta idx -> gradient (failing-step replay)
         self._grad_params: dict[int, torch.Tensor] = {}  # for the step's gradient norm
+        self._targets: dict[int, torch.Tensor] = {}  # loss targets seen this step
         self._metas = self._metas[self._flushed:]
         self._flushed = 0
         self._full = self._step % self.sample_every == 0 or bool(self._problem_steps)
@@ -568,7 +598,7 @@ class Hunt:
             self._names[module] = name
             self._types[name] = type(module).__name__
             return name
-        self._add_root(module)
+        self._add_root(_owner_of(module))
         return self._names[module]
 
     # -- recording ----------------------------------------------------------------------
@@ -817,12 +847,37 @@ class Hunt:
     def _record_loss(self, loss: torch.Tensor, role: str) -> None:
         if not _stats.summarizable(loss):
             return
+        if self._full:
+            self._record_loss_targets(loss)
         self._scalar(loss.detach().float().mean() if loss.numel() != 1 else loss, "loss")
         self._queue(loss, _Meta(
             step=self._step, order=self._next_order(), phase="forward", module="",
             tensor="loss", role=role, dtype=str(loss.dtype).removeprefix("torch."),
             shape=tuple(loss.shape),
         ))
+
+    def _record_loss_targets(self, loss: torch.Tensor) -> None:
+        """Targets handed to a loss function (``F.mse_loss(pred, target)``): no module ever
+        sees them, but the loss's autograd node saved them; a NaN there is bad data."""
+        node, todo, seen = None, [loss.grad_fn], 0
+        while todo and seen < 8:
+            node = todo.pop(0)
+            if node is None:
+                continue
+            seen += 1
+            if "Loss" in type(node).__name__ or "Entropy" in type(node).__name__:
+                target = getattr(node, "_saved_target", None)
+                if isinstance(target, torch.Tensor) and _stats.summarizable(target) \
+                        and self._lookup(target) is None:
+                    op = type(node).__name__.removesuffix("Backward0").removesuffix("Backward")
+                    idx = self._queue(target, _Meta(
+                        step=self._step, order=self._next_order(), phase="data", module="",
+                        tensor=f"target of {op}", role="input",
+                        dtype=str(target.dtype).removeprefix("torch."),
+                        shape=tuple(target.shape)))
+                    self._remember(target, idx)
+                    self._targets[idx] = target
+            todo.extend(fn for fn, _ in node.next_functions)
 
     # -- patched entry points -------------------------------------------------------------
 
@@ -1242,10 +1297,14 @@ class Hunt:
     def _take_snapshot(self, d: _StepData, origin_step: _StepData) -> None:
         """Copy the culprit module and its captured inputs, while they are still unchanged."""
         f = self.first_failure
-        if f is None or not self.keep_tensors or not self._calls:
+        if f is None or not self.keep_tensors:
             return
         if f.step != self._step and self.problem != "collapse":
             return  # the failing step's inputs are gone
+        if f.phase == "data" and f.tensor.startswith("target of "):
+            for t in self._targets.values():
+                self._bad_samples_of(f.tensor, t)
+            return
         # (a collapsing scale fails the same way every step: this step's call will do)
         call = next((c for c in reversed(self._calls) if c.name == f.module), None)
         if call is None or call.args is None:
@@ -1317,11 +1376,14 @@ class Hunt:
 
     def _bad_samples(self, call: _Call) -> None:
         for path, t in _call_leaves(call.args, call.kwargs):
-            if _stats.summarizable(t) and t.dim() >= 1:
-                bad = ~torch.isfinite(t.detach()).reshape(t.shape[0], -1).all(dim=1)
-                idx = torch.nonzero(bad).flatten().tolist()
-                if idx:
-                    self.failure_extra.setdefault("bad_samples", {})[path] = idx[:100]
+            self._bad_samples_of(path, t)
+
+    def _bad_samples_of(self, path: str, t: torch.Tensor) -> None:
+        if _stats.summarizable(t) and t.dim() >= 1 and t.numel():
+            bad = ~torch.isfinite(t.detach()).reshape(t.shape[0], -1).all(dim=1)
+            idx = torch.nonzero(bad).flatten().tolist()
+            if idx:
+                self.failure_extra.setdefault("bad_samples", {})[path] = idx[:100]
 
     # -- derived views -------------------------------------------------------------------------
 

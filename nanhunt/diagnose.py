@@ -659,8 +659,8 @@ def _classify_forward(ctx: Context) -> _Class:
                 if jump >= 2:
                     text += f" ({jump:.2g}x its median before)"
             evidence.append(text)
-            if big(p_amax):
-                large.append("input")
+            if big(p_amax) or (is_loss and _finite_pos(p_amax) and p_amax > math.sqrt(fmt.max)):
+                large.append("input")  # (a loss squares its input: MSE overflows at sqrt(max))
     if in_amax is not None and big(in_amax):
         large.append("op input")
         evidence.append(f"the replay's ops before the first non-finite one reach {_n(in_amax)}")
@@ -859,7 +859,8 @@ def bad_input(trace: Trace, ctx: Context) -> Iterator[Finding]:
     if f is None or f.phase != "data":
         return
     s = f.stats
-    evidence = [f"step {f.step}: {f.tensor} of {f.module} held {_counts(s)} of {_of(s.numel)}"]
+    owner = f" of {f.module}" if f.module else ""
+    evidence = [f"step {f.step}: {f.tensor}{owner} held {_counts(s)} of {_of(s.numel)}"]
     if s.amax > 0:
         evidence.append(
             f"its finite values reach {_n(s.amax)} "
@@ -872,7 +873,8 @@ def bad_input(trace: Trace, ctx: Context) -> Iterator[Finding]:
         )
     yield _finding(
         "error",
-        f"the batch at step {f.step} carried non-finite values into {f.module} ({f.tensor}); "
+        f"the batch at step {f.step} carried non-finite values into "
+        f"{f.module + ' (' + f.tensor + ')' if f.module else 'the ' + f.tensor}; "
         "no computation made them",
         evidence,
         phase="data",
@@ -1137,13 +1139,23 @@ def scale_collapse(trace: Trace, ctx: Context) -> Iterator[Finding]:
 # These are errors when a failure follows the growth, warnings when the run is still finite.
 
 
+def _sustained(points: list[tuple[int, float]], th: Thresholds) -> bool:
+    """Growth over several steps, not one jump: without its largest step-to-step ratio the
+    series still grows by the threshold per step (a gradient spike moves weights once)."""
+    pts = [v for _, v in points if _finite_pos(v)]
+    if len(pts) < 3:
+        return True
+    ratios = sorted(b / a for a, b in itertools.pairwise(pts))[:-1]
+    return math.prod(ratios) ** (1 / len(ratios)) >= th.weight_growth
+
+
 def _weight_growth(ctx: Context) -> tuple[LayerStats, Growth, list[tuple[int, float]]] | None:
     th = ctx.th
     best = None
     for layer in ctx.trace.layers:
         points = ctx.pre_points(layer.param_amax_by_step)[-th.window :]
         g = _growth(points)
-        if g is None or not _is_weight_growth(g, th):
+        if g is None or not _is_weight_growth(g, th) or not _sustained(points, th):
             continue
         if best is None or g.per_step > best[1].per_step:
             best = (layer, g, points)

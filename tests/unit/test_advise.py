@@ -225,7 +225,9 @@ def test_clip_value_is_a_rounded_up_percentile():
     assert clip_value([]) is None
 
 
-@pytest.mark.parametrize(("growth", "factor"), [(35.0, 0.001), (1.6, 0.1), (3.0, 0.01), (1.0, 0.1)])
+@pytest.mark.parametrize(
+    ("growth", "factor"), [(35.0, 0.01), (1e3, 0.01), (1.6, 0.1), (3.0, 0.01), (1.0, 0.1)]
+)
 def test_lr_factor(growth, factor):
     assert lr_factor(growth) == factor
 
@@ -308,8 +310,9 @@ def test_lower_lr_and_clip_for_an_optimizer_blow_up():
     assert [r.type for r in t.recommendations] == ["lower_lr", "clip_grad_norm"]
     lr = t.recommendations[0]
     growth = (60000 / 50) ** 0.5  # 34.6x a step
-    assert lr.value == 10.0 ** math.floor(math.log10(0.1 / (growth - 1)))  # 0.001
-    assert 'group["lr"] *= 0.001' in lr.snippet
+    # 0.1 / (growth - 1) rounded down to a power of ten, but never below 0.01
+    assert lr.value == max(0.01, 10.0 ** math.floor(math.log10(0.1 / (growth - 1))))
+    assert f'group["lr"] *= {lr.value:g}' in lr.snippet
     clip = t.recommendations[1]
     assert clip.value == 10.0  # the one healthy norm (6.9, step 0) rounded up
     assert "scaler" not in clip.snippet
