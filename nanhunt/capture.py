@@ -421,6 +421,7 @@ class Hunt:
         self._grad_handles: list[Any] = []
         self._grads: dict[int, torch.Tensor] = {}  # meta idx -> gradient (failing-step replay)
         self._grad_params: dict[int, torch.Tensor] = {}  # for the step's gradient norm
+        self._opt_params: list[torch.Tensor] | None = None  # the stepping optimizer's
         self._targets: dict[int, torch.Tensor] = {}  # loss targets seen this step
         self._metas = self._metas[self._flushed:]
         self._flushed = 0
@@ -949,6 +950,9 @@ class Hunt:
                 self._misuse("optimizer_on_scaled_grads")
         self._optimizer_ran_step = self._step
         self._data_for(self._step).optimizer_ran = True  # known on the host: no transfer
+        # the norm of what this optimizer steps on (a GAN's other model may hold gradients
+        # that no optimizer uses, still scaled)
+        self._opt_params = [p for g in optimizer.param_groups for p in g["params"]]
         self._flush()  # the step's one transfer, before the update changes the weights
 
     def _on_opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -984,8 +988,10 @@ class Hunt:
     def _queue_grad_norm(self) -> None:
         """The global norm of the gradients the optimizer sees (already unscaled by GradScaler
         when it runs), one fused kernel per device."""
-        grads = [p.grad for p in self._grad_params.values() if p.grad is not None]
-        self._grad_params = {}
+        params = self._opt_params if self._opt_params is not None else \
+            self._grad_params.values()
+        grads = [p.grad for p in params if p.grad is not None]
+        self._grad_params, self._opt_params = {}, None
         if not grads:
             return
         by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -1060,8 +1066,8 @@ class Hunt:
                 d.scale_after = float(value)
             elif key == "found_inf":
                 d.found_inf = bool(value > 0)
-            elif key == "grad_sumsq":
-                d.grad_sumsq = float(value)
+            elif key == "grad_sumsq":  # one per optimizer that stepped
+                d.grad_sumsq = (d.grad_sumsq or 0.0) + float(value)
         arrived = []
         for meta, row in zip(new, matrix):
             if meta.approx is not None:
@@ -1073,7 +1079,9 @@ class Hunt:
         for step in sorted(touched):
             self._update_step(touched[step])
         for meta, row, d in arrived:
-            if self._before_failure(meta):
+            if self._before_failure(meta) and not (meta.phase == "backward" and d.found_inf
+                                                    and d.problem is None):
+                # (gradients of a step GradScaler skipped overflowed on purpose: not a range)
                 self._accumulate(meta, row, d)
 
     def _before_failure(self, meta: _Meta) -> bool:
@@ -1192,6 +1200,13 @@ class Hunt:
         elif d.scale_after is not None and not rec.skipped:
             self._skip_streak = 0
         if problem is None:
+            if rec.skipped:
+                rec.nonfinite = False  # GradScaler's overflow on purpose: a fact, not a mark
+            elif rec.nonfinite:
+                # only absorbed values (masks): not worth a mark in the timeline
+                recs, parents = self._recs(d)
+                loss_ok = None if d.loss is None else math.isfinite(d.loss)
+                rec.nonfinite = find_origin(recs, parents, loss_ok) is not None
             self._note_absorbed(d)
             return
         d.problem = problem

@@ -131,7 +131,9 @@ class StepRecord:
     scale: float | None = None
     skipped: bool = False
     grad_norm: float | None = None  # global L2 norm of unscaled parameter gradients
-    nonfinite: bool = False  # any non-finite value recorded in the step
+    # a non-finite value that matters: on the path to a problem, or not absorbed (a -inf mask
+    # a softmax consumed and a GradScaler skip are facts, not marks)
+    nonfinite: bool = False
     records: int = 0  # how many tensors were summarised
     # GradScaler misuse seen in the step: "optimizer_on_scaled_grads" (optimizer.step() ran on
     # gradients still multiplied by the scale), "unscaled_loss" (scaler.step/update without

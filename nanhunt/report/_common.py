@@ -293,13 +293,16 @@ class ModuleRow:
         return headroom_class(self.headroom, self.nonfinite)
 
 
-def layer_row(index: int, layer: LayerStats, fmt: NumberFormat, culprit: str | None) -> ModuleRow:
+def layer_row(index: int, layer: LayerStats, fmt: NumberFormat, culprit: str | None,
+              *, scaled: bool = False) -> ModuleRow:
     parts = [s for s in (layer.forward, layer.backward) if s is not None]
     merged = parts[0].merged(parts[1]) if len(parts) == 2 else (parts[0] if parts else None)
     nonfinite = sum(s.nonfinite for s in (*parts, layer.param_grad) if s is not None)
-    headroom = min((stat_headroom(s, fmt) for s in parts), default=math.inf)
-    if nonfinite:
-        headroom = -math.inf
+    # under GradScaler the gradients are scaled up to the limit on purpose, and an overflow
+    # there is skipped and backed off: only the forward pass is judged against the max
+    judged = [layer.forward] if scaled and layer.forward is not None else parts
+    # the headroom of the finite values; non-finite ones are counted in their own column
+    headroom = min((stat_headroom(s, fmt) for s in judged), default=math.inf)
     return ModuleRow(
         index=index,
         module=layer.module,
@@ -324,7 +327,8 @@ def culprit_module(trace: Trace) -> str | None:
 def module_rows(trace: Trace, fmt: NumberFormat) -> list[ModuleRow]:
     """Every module, worst first: the culprit, then non-finite ones, then by lowest headroom."""
     culprit = culprit_module(trace)
-    rows = [layer_row(i, layer, fmt, culprit) for i, layer in enumerate(trace.layers)]
+    rows = [layer_row(i, layer, fmt, culprit, scaled=trace.run.scaler)
+            for i, layer in enumerate(trace.layers)]
     return sorted(rows, key=lambda r: (not r.culprit, r.nonfinite == 0, r.headroom, r.index))
 
 
