@@ -404,6 +404,7 @@ class Hunt:
         self._saw_optimizer = False
         self._failure_order = self._origin_order = 0
         self._optimizer_ran_step = -1
+        self._unscaled_step = -1
         self._last_counted_skip = -1
         self._metas: list[_Meta] = []  # this step's rows (and rows still queued from the last)
         self._flushed = 0  # how many of self._metas have crossed to the host
@@ -529,6 +530,12 @@ class Hunt:
             scaler_cls = torch.amp.GradScaler
             self._patch(stack, scaler_cls, "scale", self._wrap_scale)
             self._patch(stack, scaler_cls, "update", self._wrap_update)
+            self._patch(stack, scaler_cls, "unscale_", self._wrap_unscale)
+            clip = self._wrap_clip(torch.nn.utils.clip_grad_norm_)
+            for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
+                if getattr(owner, "clip_grad_norm_", None) is not None:
+                    stack.callback(setattr, owner, "clip_grad_norm_", owner.clip_grad_norm_)
+                    owner.clip_grad_norm_ = clip
             self._stack = stack.pop_all()
         model = self._model_ref() if self._model_ref else None
         if model is not None:
@@ -935,6 +942,27 @@ class Hunt:
 
         update.__wrapped__ = original  # type: ignore[attr-defined]
         return update
+
+    def _wrap_unscale(self, original: Any) -> Any:
+        hunt = self
+
+        def unscale_(scaler: Any, optimizer: Any) -> None:
+            hunt._unscaled_step = hunt._step
+            return original(scaler, optimizer)
+
+        unscale_.__wrapped__ = original  # type: ignore[attr-defined]
+        return unscale_
+
+    def _wrap_clip(self, original: Any) -> Any:
+        hunt = self
+
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            if hunt._active and hunt._step_scaler and hunt._unscaled_step != hunt._step:
+                hunt._misuse("clip_on_scaled_grads")
+            return original(*args, **kwargs)
+
+        clip_grad_norm_.__wrapped__ = original  # type: ignore[attr-defined]
+        return clip_grad_norm_
 
     def _on_opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._active:

@@ -1040,9 +1040,15 @@ def optimizer_eps(trace: Trace, ctx: Context) -> Iterator[Finding]:
 
 _MISUSE = {
     "optimizer_on_scaled_grads": (
-        "optimizer.step() ran on gradients still multiplied by the loss scale",
+        "optimizer.step() ran on gradients still multiplied by the loss scale, so every "
+        "update was that many times too large",
         "call scaler.step(optimizer) instead of optimizer.step(): it unscales the gradients "
         "and skips steps whose gradients overflowed",
+    ),
+    "clip_on_scaled_grads": (
+        "clip_grad_norm_ ran on gradients still multiplied by the loss scale, so max_norm was "
+        "in effect divided by the scale and every step was clipped to a tiny update",
+        "call scaler.unscale_(optimizer) before torch.nn.utils.clip_grad_norm_",
     ),
     "unscaled_loss": (
         "scaler.step()/update() ran after a backward of a loss that scaler.scale() never "
@@ -1061,10 +1067,11 @@ def scaler_misuse(trace: Trace, ctx: Context) -> Iterator[Finding]:
         if not steps:
             continue
         scales = sorted({s.scale for s in steps if s.scale})
-        factor = f" ({scales[0]:g})" if len(scales) == 1 else ""
+        if len(scales) == 1:
+            what = what.replace("the loss scale", f"the loss scale ({scales[0]:g})", 1)
         yield _finding(
             "error",
-            f"{what}{factor}: every update was off by that factor; {fix}",
+            f"{what}: {fix}",
             [
                 f"seen at {len(steps)} step(s): {_span([(s.index, 0.0) for s in steps])}",
                 *([f"loss scale in effect: {', '.join(f'{x:g}' for x in scales[:4])}"]

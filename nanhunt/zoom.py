@@ -44,6 +44,11 @@ _SNAPSHOT_VERSION = 1
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _OUR_DIR = str(Path(__file__).resolve().parent)
 _MAX_OPS = 400
+_MASK_OPS = {f"aten.{n}" for n in ("masked_fill", "masked_fill_", "fill", "fill_", "full",
+                                    "full_like", "where", "index_put", "index_put_", "scatter",
+                                    "copy_", "_to_copy", "triu", "tril", "new_full")}
+# ops whose floor goes on the denominator, not the first argument
+_FLOOR_ARG = {"div": 1, "remainder": 1, "fmod": 1}
 
 
 @dataclass
@@ -104,25 +109,31 @@ class _OpRecorder(TorchDispatchMode):
         self.ops: list[OpRecord] = []
         self.first: OpRecord | None = None
         self.dropped = 0
-        self.op_floor = op_floor  # (op name, minimum): clamp that op's first input (a fix)
+        self.op_floor = op_floor  # (op name, minimum): floor that op's input (a fix)
+        self.weak: OpRecord | None = None  # the first -inf from a mask-building op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.op_floor and torch._C._current_graph_task_id() == -1 and args and \
-                str(getattr(func, "overloadpacket", "")) == f"aten.{self.op_floor[0]}" and \
-                isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
-            args = (args[0].clamp_min(self.op_floor[1]), *args[1:])
+        if self.op_floor and torch._C._current_graph_task_id() == -1 and \
+                str(getattr(func, "overloadpacket", "")) == f"aten.{self.op_floor[0]}":
+            i = _FLOOR_ARG.get(self.op_floor[0], 0)
+            if len(args) > i and isinstance(args[i], torch.Tensor) and \
+                    args[i].is_floating_point():
+                args = (*args[:i], args[i].clamp_min(self.op_floor[1]), *args[i + 1:])
         out = func(*args, **(kwargs or {}))
         leaves: list = []
         tensor_leaves(out, "", leaves)
         floats = [t for _, t in leaves if t.is_floating_point() and t.numel() > 0]
         if not floats:
             return out
-        amax, nonfinite, numel = 0.0, 0, 0
+        amax, nonfinite, numel, strong = 0.0, 0, 0, False
         for t in floats:
             f = t.detach().float()
             fin = torch.isfinite(f)
-            nonfinite += int((~fin).sum())
+            bad = int((~fin).sum())
+            nonfinite += bad
             numel += t.numel()
+            if bad and bool((torch.isnan(f) | (f == math.inf)).any()):
+                strong = True  # NaN or +inf: not a -inf mask being built
             if fin.any():
                 amax = max(amax, float(f.abs().masked_fill(~fin, 0).amax()))
         backward = torch._C._current_graph_task_id() != -1
@@ -134,10 +145,13 @@ class _OpRecorder(TorchDispatchMode):
                        nonfinite=nonfinite, numel=numel, source=source)
         if line:
             rec.source = f"{source}  {line}" if source else line
-        if nonfinite and self.first is None:
+        # a -inf made by masked_fill/full/where is how masks are built: the first op that
+        # made NaN or +inf is the culprit, unless nothing else went non-finite
+        if nonfinite and self.first is None and (strong or name not in _MASK_OPS):
             rec.first_nonfinite = True
             self.first = rec
-            self.first_line = (source, line)
+        elif nonfinite and self.weak is None:
+            self.weak = rec
         if len(self.ops) < _MAX_OPS or rec.first_nonfinite:
             self.ops.append(rec)
         else:
@@ -186,14 +200,15 @@ def replay(snap: Snapshot, dtype: str | None = None, *, module_fix: Any = None,
     """
     result = ReplayResult()
     module = copy.deepcopy(snap.module)
-    want_backward = snap.phase in ("backward", "loss_scaling") if backward is None else backward
-    want_backward = want_backward and bool(snap.grad_outputs) and any(
-        g is not None for g in snap.grad_outputs)
+    has_grads = bool(snap.grad_outputs) and any(g is not None for g in snap.grad_outputs)
+    if backward is None:  # by default only a backward failure is replayed through backward
+        backward = snap.phase in ("backward", "loss_scaling") and has_grads
     target_dtype = _DTYPES.get(dtype) if dtype else None
     if target_dtype is not None:
         module = module.to(target_dtype)
     if module_fix is not None:
         module_fix(module)
+    want_backward = backward
     args = _to_dtype(snap.args, target_dtype, want_backward)
     kwargs = _to_dtype(snap.kwargs or {}, target_dtype, False)
     if input_fix is not None:
@@ -221,16 +236,21 @@ def replay(snap: Snapshot, dtype: str | None = None, *, module_fix: Any = None,
                 (float(t.detach().float().abs().nan_to_num(0, 0, 0).amax()) for t in outs
                  if t.numel()), default=0.0)
             if want_backward:
-                pairs = [(o, g) for o, g in zip(outs, snap.grad_outputs or [])
+                grads_out = snap.grad_outputs or [torch.ones_like(o) for o in outs]
+                pairs = [(o, g) for o, g in zip(outs, grads_out)
                          if g is not None and o.requires_grad]
                 if pairs:
                     with recorder:
                         torch.autograd.backward([o for o, _ in pairs],
                                                 [g.to(o.dtype) for o, g in pairs])
                     grads = [a.grad for _, a in _float_leaves(args) if a.grad is not None]
+                    grads += [p.grad for p in module.parameters() if p.grad is not None]
                     result.grads_finite = all(bool(torch.isfinite(g).all()) for g in grads)
     except Exception as exc:  # the culprit may raise on its own inputs; report, do not crash
         result.error = f"{type(exc).__name__}: {exc}"
+    if recorder.first is None and recorder.weak is not None:
+        recorder.first = recorder.weak
+        recorder.weak.first_nonfinite = True
     result.ops, result.first, result.dropped_ops = recorder.ops, recorder.first, recorder.dropped
     return result
 
@@ -311,6 +331,8 @@ def verify(trace: Trace, snap: Snapshot) -> None:
             _verify_clamp(rec, snap)
         elif rec.type == "eps":
             _verify_eps(rec, snap)
+    # a fix the replay proved goes before those it could not (stable: relevance otherwise)
+    trace.recommendations.sort(key=lambda r: not r.verified)
 
 
 def _finite(r: ReplayResult) -> bool:
@@ -324,12 +346,18 @@ def _verify_fp32(rec: Any, snap: Snapshot, fmt: Any) -> None:
         r = replay(snap, "float32")
         fits = _finite(r) and r.output_amax <= fmt.max
         rec.verified = fits
-        rec.verification = (
-            f"replayed {snap.name} in float32 on the step-{snap.step} inputs: output amax "
-            f"{r.output_amax:.3g} " + ("fits " + fmt.name + f" (max {fmt.max:g}), all finite"
-                                       if fits else f"still exceeds {fmt.name}'s max "
-                                       f"{fmt.max:g} when cast back" if r.error is None
-                                       else f"(the replay raised {r.error})"))
+        if r.error is not None:
+            outcome = f"the replay raised {r.error}"
+        elif fits:
+            outcome = (f"output amax {r.output_amax:.3g} fits {fmt.name} (max {fmt.max:g}), "
+                       "all finite")
+        elif not _finite(r):
+            outcome = "still non-finite in float32: not a range problem float32 can fix"
+        else:
+            outcome = (f"output amax {r.output_amax:.3g} still exceeds {fmt.name}'s max "
+                       f"{fmt.max:g} when cast back")
+        rec.verification = f"replayed {snap.name} in float32 on the step-{snap.step} inputs: " \
+            + outcome
         return
     for anc in snap.ancestors:
         names = {full: rel for rel, full in anc.names.items()}
@@ -391,12 +419,12 @@ def _verify_clamp(rec: Any, snap: Snapshot) -> None:
         what = f"its output clamped to ±{bound:g}"
     elif where == "input":
         low = float(rec.data.get("min", value))
-        r = replay(snap, input_fix=lambda t: t.clamp_min(low))
+        r = replay(snap, input_fix=lambda t: t.clamp_min(low), backward=True)
         what = f"its inputs floored at {low:g}"
     elif where == "op_input":
         op, low = str(rec.data.get("op")), float(rec.data.get("min", value))
-        r = replay(snap, op_floor=(op, low))
-        what = f"the input of aten.{op} floored at {low:g}"
+        r = replay(snap, op_floor=(op, low), backward=True)
+        what = f"the input of aten.{op} floored at {low:g} (forward and backward)"
     else:
         rec.verification = _why_not(rec.type)
         return
@@ -418,7 +446,7 @@ def _verify_eps(rec: Any, snap: Snapshot) -> None:
         for a in attrs:
             setattr(m, a, value)
 
-    r = replay(snap, module_fix=set_eps)
+    r = replay(snap, module_fix=set_eps, backward=True)
     rec.verified = _finite(r)
     rec.verification = f"replayed {snap.name} with {attrs[0]}={value:g}: " + (
         "all finite" if rec.verified else "still non-finite")

@@ -27,6 +27,9 @@ def _patched_methods() -> dict[str, object]:
         "Tensor.backward": torch.Tensor.__dict__["backward"],
         "GradScaler.scale": torch.amp.GradScaler.__dict__["scale"],
         "GradScaler.update": torch.amp.GradScaler.__dict__["update"],
+        "GradScaler.unscale_": torch.amp.GradScaler.__dict__["unscale_"],
+        "clip_grad_norm_": torch.nn.utils.clip_grad_norm_,
+        "clip_grad.clip_grad_norm_": torch.nn.utils.clip_grad.clip_grad_norm_,
     }
 
 

@@ -477,3 +477,26 @@ def test_correct_scaler_use_is_not_flagged():
         for x, y in batches(3):
             amp_step(model, opt, scaler, x, y)
     assert all(not s.misuse for s in hunt.steps)
+
+
+def test_clipping_before_unscale_is_flagged():
+    from nanhunt.pipeline import analyse
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with nanhunt.watch(model, opt, scaler) as hunt:
+        for i, (x, y) in enumerate(batches(4)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            if i >= 2:
+                scaler.unscale_(opt)  # the right order from step 2 on
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+    assert [s.misuse for s in hunt.steps] == [["clip_on_scaled_grads"]] * 2 + [[], []]
+    trace = analyse(hunt.trace(), hunt.snapshot)
+    assert trace.diagnosis.rule == "scaler-misuse"
+    assert "scaler.unscale_(optimizer)" in trace.diagnosis.message
