@@ -423,6 +423,7 @@ class Hunt:
         self._grads: dict[int, torch.Tensor] = {}  # meta idx -> gradient (failing-step replay)
         self._grad_params: dict[int, torch.Tensor] = {}  # for the step's gradient norm
         self._opt_params: list[torch.Tensor] | None = None  # the stepping optimizer's
+        self._clip_norm: torch.Tensor | None = None  # returned by clip_grad_norm_
         self._targets: dict[int, torch.Tensor] = {}  # loss targets seen this step
         self._metas = self._metas[self._flushed:]
         self._flushed = 0
@@ -959,7 +960,11 @@ class Hunt:
         def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
             if hunt._active and hunt._step_scaler and hunt._unscaled_step != hunt._step:
                 hunt._misuse("clip_on_scaled_grads")
-            return original(*args, **kwargs)
+            total = original(*args, **kwargs)
+            if hunt._active and isinstance(total, torch.Tensor):
+                # the norm before clipping: what the step's gradients really were
+                hunt._clip_norm = total.detach()
+            return total
 
         clip_grad_norm_.__wrapped__ = original  # type: ignore[attr-defined]
         return clip_grad_norm_
@@ -1016,6 +1021,10 @@ class Hunt:
     def _queue_grad_norm(self) -> None:
         """The global norm of the gradients the optimizer sees (already unscaled by GradScaler
         when it runs), one fused kernel per device."""
+        if self._clip_norm is not None:  # clip_grad_norm_ already measured it, before clipping
+            self._scalar(self._clip_norm.double().pow(2), "grad_sumsq")
+            self._clip_norm, self._grad_params, self._opt_params = None, {}, None
+            return
         params = self._opt_params if self._opt_params is not None else \
             self._grad_params.values()
         grads = [p.grad for p in params if p.grad is not None]

@@ -500,3 +500,52 @@ def test_clipping_before_unscale_is_flagged():
     trace = analyse(hunt.trace(), hunt.snapshot)
     assert trace.diagnosis.rule == "scaler-misuse"
     assert "scaler.unscale_(optimizer)" in trace.diagnosis.message
+
+
+def test_gradient_norm_is_taken_before_clipping():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, opt) as hunt:
+        opt.zero_grad()
+        (model(torch.full((8, 4), 10.0)) * 100).sum().backward()
+        expected = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    assert hunt.steps[0].grad_norm == pytest.approx(expected, rel=1e-5)
+    assert expected > 100
+
+
+def test_a_model_called_through_a_method_is_named_inside_it(tmp_path):
+    class VAE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Linear(4, 2)
+            self.decoder = nn.Sequential(nn.Linear(2, 4), nn.Tanh())
+
+        def decode(self, z):
+            return self.decoder(z)
+
+    vae = VAE()
+    hunt = nanhunt.Hunt()  # no model given: names are found as the CLI finds them
+    with hunt:
+        vae.decode(torch.randn(3, 2)).sum().backward()
+        hunt.end_step()
+    names = {lay.module for lay in hunt.layers}
+    assert {"decoder", "decoder.0", "decoder.1"} <= names, names
+
+
+def test_a_nan_in_the_targets_of_a_functional_loss_is_bad_data():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, opt) as hunt:
+        for step in range(3):
+            target = torch.randn(6, 1)
+            if step == 1:
+                target[4, 0] = float("inf")
+            opt.zero_grad()
+            nn.functional.mse_loss(model(torch.randn(6, 4)), target).backward()
+            opt.step()
+    f = hunt.first_failure
+    assert (f.step, f.phase, f.tensor) == (1, "data", "target of MseLoss")
+    assert hunt.failure_extra["bad_samples"] == {"target of MseLoss": [4]}
