@@ -213,7 +213,6 @@ class _Meta:
     also_producers: list[int] = field(default_factory=list)  # containers passing it through
     also_owners: list[str] = field(default_factory=list)
     mutated: bool = False
-    scale_index: int | None = None  # scalar index of the loss scale in effect (gradients)
     allowed: bool = False
     approx: Any = None  # a cheap row (counts are flags): weakref to the tensor to redo exactly
 
@@ -414,7 +413,6 @@ class Hunt:
         self._begin_step_state()
 
     def _begin_step_state(self) -> None:
-        self._phase = "forward"
         self._order = 0
         self._frames: list[_Frame] = []
         self._calls: list[_Call] = []
@@ -793,26 +791,22 @@ class Hunt:
             role="grad_input" if src.consumers else "grad_output",
             dtype=str(grad.dtype).removeprefix("torch."), shape=tuple(grad.shape),
             owner=src.owner if src.role == "output" else "", producer=None, parent=None,
-            scale_index=1, also_owners=list(src.also_owners),
+            also_owners=list(src.also_owners),
         )
 
     def _on_grad(self, idx: int, grad: torch.Tensor) -> None:
         if not self._active or idx >= len(self._metas) or not _stats.summarizable(grad) \
                 or _skip():
             return
-        self._phase = "backward"
         self._did_backward = True
-        meta = self._grad_meta(idx, grad, self._step)
-        gidx = self._queue(grad, meta)
+        self._queue(grad, self._grad_meta(idx, grad, self._step))
         if self.keep_tensors:
             self._grads[idx] = grad
-        del gidx
 
     def _on_param_grad(self, p: torch.Tensor) -> None:
         if not self._active or p.grad is None or _skip():
             return
         self._did_backward = True
-        self._phase = "backward"
         name, owner = self._param_names.get(p, ("<param>", ""))
         g = p.grad
         self._grad_params[id(p)] = p
@@ -821,7 +815,7 @@ class Hunt:
         self._queue(g, _Meta(
             step=self._step, order=self._next_order(), phase="backward", module=owner,
             tensor=f"{name}.grad", role="param_grad", dtype=str(g.dtype).removeprefix("torch."),
-            shape=tuple(g.shape), owner=owner, scale_index=1,
+            shape=tuple(g.shape), owner=owner,
         ))
 
     def _misuse(self, code: str) -> None:
@@ -897,7 +891,6 @@ class Hunt:
             if hunt._active and not _in_backward():
                 if id(tensor) not in hunt._scaled_loss_ids:
                     hunt._record_loss(tensor, "loss")
-                hunt._phase = "backward"
                 hunt._did_backward = True
             return original(tensor, *args, **kwargs)
 
@@ -973,7 +966,6 @@ class Hunt:
         if not self._active:
             return
         self._saw_optimizer = True
-        self._phase = "optimizer"
         scaler = self._scaler_ref() if self._scaler_ref is not None else None
         if self._step_scaler and scaler is not None and scaler.is_enabled():
             # scaler.step(optimizer) unscales first; a direct optimizer.step() does not
