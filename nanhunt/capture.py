@@ -12,14 +12,17 @@ import contextlib
 import copy
 import dataclasses
 import fnmatch
+import functools
 import inspect
 import math
 import sys
 import threading
+import traceback
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,6 +58,21 @@ class StopRun(BaseException):
 
 
 # ----------------------------------------------------------------------------- small helpers
+
+
+def _safe(method: Any) -> Any:
+    """A hook method whose exceptions (bugs of ours) stop tracing but never the user's run;
+    StopRun, a BaseException, passes."""
+
+    @functools.wraps(method)
+    def hook(self: Hunt, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            self._internal_failure(exc)
+            return None
+
+    return hook
 
 
 def _in_backward() -> bool:
@@ -375,6 +393,7 @@ class Hunt:
     def _reset(self) -> None:
         self.first_failure: Failure | None = None
         self.problem: str | None = None
+        self.internal_errors: list[str] = []
         self.facts: list[str] = []
         self.snapshot: Snapshot | None = None
         self.failure_extra: dict[str, Any] = {}
@@ -642,6 +661,7 @@ class Hunt:
         return any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(f"{module}.{tensor}", p)
                    for p in self.allow_inf)
 
+    @_safe
     def _on_pre(self, module: nn.Module, args: tuple) -> None:
         if not self._active or _skip():
             return
@@ -668,6 +688,7 @@ class Hunt:
                 return frame
         return None
 
+    @_safe
     def _on_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._active or not self._full or _in_backward() or _skip():
             return
@@ -794,6 +815,7 @@ class Hunt:
             also_owners=list(src.also_owners),
         )
 
+    @_safe
     def _on_grad(self, idx: int, grad: torch.Tensor) -> None:
         if not self._active or idx >= len(self._metas) or not _stats.summarizable(grad) \
                 or _skip():
@@ -803,6 +825,7 @@ class Hunt:
         if self.keep_tensors:
             self._grads[idx] = grad
 
+    @_safe
     def _on_param_grad(self, p: torch.Tensor) -> None:
         if not self._active or p.grad is None or _skip():
             return
@@ -888,54 +911,68 @@ class Hunt:
         hunt = self
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if hunt._active and not _in_backward():
-                if id(tensor) not in hunt._scaled_loss_ids:
-                    hunt._record_loss(tensor, "loss")
-                hunt._did_backward = True
+            hunt._guard(hunt._before_backward, tensor)
             return original(tensor, *args, **kwargs)
 
         backward.__wrapped__ = original  # type: ignore[attr-defined]
         return backward
+
+    def _before_backward(self, tensor: torch.Tensor) -> None:
+        if self._active and not _in_backward():
+            if id(tensor) not in self._scaled_loss_ids:
+                self._record_loss(tensor, "loss")
+            self._did_backward = True
 
     def _wrap_scale(self, original: Any) -> Any:
         hunt = self
 
         def scale(scaler: Any, outputs: Any) -> Any:
             result = original(scaler, outputs)
-            if hunt._active and scaler.is_enabled():
-                hunt.scaler_seen = hunt._step_scaler = True
-                if isinstance(outputs, torch.Tensor):
-                    hunt._record_loss(outputs, "loss")
-                    hunt._scaled_loss_ids.add(id(result))
-                if scaler._scale is not None:
-                    hunt._scalar(scaler._scale, "scale")
-                hunt._scaler_ref = weakref.ref(scaler)
+            hunt._guard(hunt._after_scale, scaler, outputs, result)
             return result
 
         scale.__wrapped__ = original  # type: ignore[attr-defined]
         return scale
 
+    def _after_scale(self, scaler: Any, outputs: Any, result: Any) -> None:
+        if self._active and scaler.is_enabled():
+            self.scaler_seen = self._step_scaler = True
+            if isinstance(outputs, torch.Tensor):
+                self._record_loss(outputs, "loss")
+                self._scaled_loss_ids.add(id(result))
+            if scaler._scale is not None:
+                self._scalar(scaler._scale, "scale")
+            self._scaler_ref = weakref.ref(scaler)
+
     def _wrap_update(self, original: Any) -> Any:
         hunt = self
 
         def update(scaler: Any, new_scale: Any = None) -> None:
-            if not (hunt._active and scaler.is_enabled() and scaler._scale is not None):
-                return original(scaler, new_scale)
-            hunt.scaler_seen = True
-            found = [f for s in scaler._per_optimizer_states.values()
-                     for f in s["found_inf_per_device"].values()]
-            if found and not hunt._step_scaler and hunt._did_backward:
-                hunt._misuse("unscaled_loss")
-            if found:
-                hunt._scalar(sum(f.to(scaler._scale.device) for f in found), "found_inf")
-            hunt._scalar(scaler._scale.clone(), "scale_before")
+            tracked = hunt._guard(hunt._before_update, scaler)
             result = original(scaler, new_scale)
-            hunt._scalar(scaler._scale.clone(), "scale_after")
-            hunt._end_step()
+            if tracked:
+                hunt._guard(hunt._after_update, scaler)
             return result
 
         update.__wrapped__ = original  # type: ignore[attr-defined]
         return update
+
+    def _before_update(self, scaler: Any) -> bool:
+        if not (self._active and scaler.is_enabled() and scaler._scale is not None):
+            return False
+        self.scaler_seen = True
+        found = [f for s in scaler._per_optimizer_states.values()
+                 for f in s["found_inf_per_device"].values()]
+        if found and not self._step_scaler and self._did_backward:
+            self._misuse("unscaled_loss")
+        if found:
+            self._scalar(sum(f.to(scaler._scale.device) for f in found), "found_inf")
+        self._scalar(scaler._scale.clone(), "scale_before")
+        return True
+
+    def _after_update(self, scaler: Any) -> None:
+        self._scalar(scaler._scale.clone(), "scale_after")
+        self._end_step()
 
     def _wrap_unscale(self, original: Any) -> Any:
         hunt = self
@@ -962,6 +999,26 @@ class Hunt:
         clip_grad_norm_.__wrapped__ = original  # type: ignore[attr-defined]
         return clip_grad_norm_
 
+    # -- nanhunt's own failures ---------------------------------------------------------------
+
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        """Run nanhunt's part of a hook; a bug of ours must never break the user's training."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._internal_failure(exc)
+            return None
+
+    def _internal_failure(self, exc: Exception) -> None:
+        frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        where = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
+        self.internal_errors.append(f"{type(exc).__name__}: {exc}{where}")
+        if self._active:
+            self._active = False
+            print(f"nanhunt: internal error ({type(exc).__name__}: {exc}{where}); tracing "
+                  "stopped, your run continues", file=sys.stderr)
+
+    @_safe
     def _on_opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._active:
             return
@@ -980,6 +1037,7 @@ class Hunt:
         self._opt_params = [p for g in optimizer.param_groups for p in g["params"]]
         self._flush()  # the step's one transfer, before the update changes the weights
 
+    @_safe
     def _on_opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._active:
             return
@@ -1468,6 +1526,8 @@ class Hunt:
             facts=list(self.facts),
             scaler_events=list(self.scaler_events),
             grad_hist=self.grad_histograms(),
+            notes=[f"nanhunt stopped tracing after an internal error: {e}"
+                   for e in self.internal_errors],
         )
 
 

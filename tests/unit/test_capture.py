@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 from collections import namedtuple
 
@@ -549,3 +550,19 @@ def test_a_nan_in_the_targets_of_a_functional_loss_is_bad_data():
     f = hunt.first_failure
     assert (f.step, f.phase, f.tensor) == (1, "data", "target of MseLoss")
     assert hunt.failure_extra["bad_samples"] == {"target of MseLoss": [4]}
+
+
+def test_a_bug_in_nanhunt_stops_tracing_but_never_the_training(monkeypatch, capsys):
+    def broken(t, fmt):
+        raise RuntimeError("simulated nanhunt bug")
+
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    monkeypatch.setattr(capture._stats, "summarize", broken)
+    with nanhunt.watch(model, opt, scaler) as hunt:
+        losses = [amp_step(model, opt, scaler, x, y).item() for x, y in batches(3)]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    assert hunt.internal_errors and "simulated nanhunt bug" in hunt.internal_errors[0]
+    assert "tracing stopped, your run continues" in capsys.readouterr().err
+    assert any("internal error" in n for n in hunt.trace().notes)
