@@ -91,7 +91,14 @@ def _skip() -> bool:
     return _compiling()
 
 
+def _version(t: torch.Tensor) -> int:
+    """In-place edit counter; inference tensors (``torch.inference_mode``) have none."""
+    return -1 if t.is_inference() else t._version
+
+
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype | None]:
+    if device_type not in ("cpu", "cuda", "xpu", "hpu", "mps", "xla"):
+        return False, None  # meta and other pseudo-devices have no autocast
     try:
         if not torch.is_autocast_enabled(device_type):
             return False, None
@@ -402,7 +409,8 @@ class Hunt:
         self.devices: set[str] = set()
         self.autocast_seen = False
         self.scaler_seen = False
-        self._steps: deque[_StepData] = deque(maxlen=self.keep_steps)
+        # one more than asked: the step in flight, whose last rows arrive with the next transfer
+        self._steps: deque[_StepData] = deque(maxlen=self.keep_steps + 1)
         self._step_records: dict[int, StepRecord] = {}
         self._step_order: deque[int] = deque(maxlen=max(self.keep_steps, HISTORY))
         self._layers: dict[str, _LayerAcc] = {}
@@ -411,6 +419,7 @@ class Hunt:
         self._types: dict[str, str] = {}
         self._roots: list[tuple[weakref.ref, str]] = []
         self._primary_set = False
+        self._lazy = False  # a lazy module's parameters still await their first forward
         self._param_names = WeakIdKeyDictionary()  # parameter -> (name, owner module name)
         self._param_hooks: list[Any] = []
         self._skip_streak = 0
@@ -486,6 +495,12 @@ class Hunt:
         try:
             self._install()
         except BaseException:
+            if self._stack is not None:  # roll a partial install back
+                self._stack.close()
+                self._stack = None
+            for h in self._param_hooks:
+                h.remove()
+            self._param_hooks = []
             with _LOCK:
                 _ACTIVE = None
             raise
@@ -600,6 +615,9 @@ class Hunt:
             self._names[mod] = name
             self._types[name] = type(mod).__name__
             for pname, p in mod.named_parameters(recurse=False):
+                if isinstance(p, nn.parameter.UninitializedParameter):
+                    self._lazy = True  # named again once a forward has materialised it
+                    continue
                 if p.requires_grad and p not in self._param_names:
                     full = (f"{qual}.{pname}" if qual else pname) if primary else \
                         f"{name}.{pname}"
@@ -610,6 +628,12 @@ class Hunt:
     def _name_of(self, module: nn.Module) -> str:
         name = self._names.get(module)
         if name is not None:
+            if self._lazy and not self._frames:
+                self._lazy = False
+                for ref, label in list(self._roots):
+                    root = ref()
+                    if root is not None and any(m is module for m in root.modules()):
+                        self._add_root(root, label=label)
             return name
         if self._frames:
             # a module created after its root was named: look again, then name it by its class
@@ -649,13 +673,13 @@ class Hunt:
             return None
         idx, version, ref = hit
         obj = ref() if isinstance(ref, weakref.ref) else ref
-        if obj is not t or t._version != version:
+        if obj is not t or _version(t) != version:
             return None
         return idx
 
     def _remember(self, t: torch.Tensor, idx: int) -> None:
         ref = t if self.keep_tensors else weakref.ref(t)
-        self._seen[id(t)] = (idx, t._version, ref)
+        self._seen[id(t)] = (idx, _version(t), ref)
 
     def _allowed(self, module: str, tensor: str) -> bool:
         return any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(f"{module}.{tensor}", p)
@@ -678,7 +702,7 @@ class Hunt:
         call = len(self._calls)
         parent = self._frames[-1].call if self._frames else None
         self._calls.append(_Call(call, module, name, parent))
-        versions = [(t, t._version) for t in args if isinstance(t, torch.Tensor)]
+        versions = [(t, _version(t)) for t in args if isinstance(t, torch.Tensor)]
         self._frames.append(_Frame(module, name, call, self._next_order(), versions))
 
     def _pop_frame(self, module: nn.Module) -> _Frame | None:
@@ -697,7 +721,7 @@ class Hunt:
             return
         call = self._calls[frame.call]
         name, parent = frame.name, call.parent
-        mutated_ids = {id(t) for t, v in frame.versions if t._version != v}
+        mutated_ids = {id(t) for t, v in frame.versions if _version(t) != v}
         leaves = _call_leaves(args, kwargs)
         grad_on = torch.is_grad_enabled()
         for path, t in leaves:
@@ -749,6 +773,10 @@ class Hunt:
                     call.output_rows.append(idx)
                     continue
                 if m.producer == frame.call:
+                    continue
+                if frame.call in m.consumers:  # returns its own input (nn.Identity): the same
+                    m.also_producers.append(frame.call)
+                    call.output_rows.append(idx)
                     continue
             meta = _Meta(
                 step=self._step, order=self._next_order(), phase="forward", module=name,
@@ -1107,12 +1135,13 @@ class Hunt:
             return
         metas = self._metas[self._flushed:self._flushed + len(rows)]
         self._flushed += len(rows)
-        parts = ([torch.stack(rows).reshape(-1)] if rows else []) + scalars
-        devices = {p.device for p in parts}
+        devices = {p.device for p in (*rows, *scalars)}
         if len(devices) == 1:
+            parts = ([torch.stack(rows).reshape(-1)] if rows else []) + scalars
             flat = torch.cat(parts).cpu().numpy()
-        else:  # model parallel: one transfer per device
-            flat = np.concatenate([p.cpu().numpy() for p in parts])
+        else:  # model parallel: one transfer per piece's device
+            flat = np.concatenate([r.cpu().numpy() for r in rows]
+                                  + [x.cpu().numpy() for x in scalars])
         n = len(rows) * _stats.ROW_LEN
         matrix = flat[:n].reshape(len(rows), _stats.ROW_LEN)
         values = flat[n:]
@@ -1144,7 +1173,7 @@ class Hunt:
         touched: dict[int, _StepData] = {}
         new = metas
         for (step, key), value in scalars:
-            d = touched.setdefault(step, self._data_for(step))
+            d = touched.get(step) or touched.setdefault(step, self._data_for(step))
             if key == "loss":
                 d.loss = float(value)
             elif key == "scale" or key == "scale_before":
@@ -1159,7 +1188,8 @@ class Hunt:
         for meta, row in zip(new, matrix):
             if meta.approx is not None:
                 row[0] = math.prod(meta.shape)
-            d = touched.setdefault(meta.step, self._data_for(meta.step))
+            d = touched.get(meta.step) or touched.setdefault(meta.step,
+                                                             self._data_for(meta.step))
             d.metas.append(meta)
             d.rows.append(row)
             arrived.append((meta, row, d))
