@@ -432,6 +432,7 @@ class Hunt:
         self._failure_order = self._origin_order = 0
         self._optimizer_ran_step = -1
         self._unscaled_step = -1
+        self._closure_step = -1
         self._last_counted_skip = -1
         self._metas: list[_Meta] = []  # this step's rows (and rows still queued from the last)
         self._flushed = 0  # how many of self._metas have crossed to the host
@@ -451,6 +452,8 @@ class Hunt:
         self._opt_params: list[torch.Tensor] | None = None  # the stepping optimizer's
         self._clip_norm: torch.Tensor | None = None  # returned by clip_grad_norm_
         self._targets: dict[int, torch.Tensor] = {}  # loss targets seen this step
+        self._scaled_backward = False  # the running backward is of a GradScaler-scaled loss
+        self._scaled_grad_params: set[int] = set()
         self._metas = self._metas[self._flushed:]
         self._flushed = 0
         self._full = self._step % self.sample_every == 0 or bool(self._problem_steps)
@@ -678,7 +681,8 @@ class Hunt:
         return idx
 
     def _remember(self, t: torch.Tensor, idx: int) -> None:
-        ref = t if self.keep_tensors else weakref.ref(t)
+        # without autograd nothing keeps activations alive: neither does nanhunt
+        ref = t if self.keep_tensors and torch.is_grad_enabled() else weakref.ref(t)
         self._seen[id(t)] = (idx, _version(t), ref)
 
     def _allowed(self, module: str, tensor: str) -> bool:
@@ -691,11 +695,8 @@ class Hunt:
             return
         if _in_backward():
             return  # activation-checkpoint recompute
-        if not self._frames and self._did_backward and not self._saw_optimizer \
-                and not self._step_scaler:
-            self._end_step()  # a loop with no optimizer: a new forward starts a new step
-        elif not self._frames and self._step_scaler and self._optimizer_ran_step == self._step:
-            self._end_step()  # scaler.update() was never called: the step ended anyway
+        if not self._frames:
+            self._end_step_if_over()
         if not self._full:
             return
         name = self._name_of(module)
@@ -704,6 +705,14 @@ class Hunt:
         self._calls.append(_Call(call, module, name, parent))
         versions = [(t, _version(t)) for t in args if isinstance(t, torch.Tensor)]
         self._frames.append(_Frame(module, name, call, self._next_order(), versions))
+
+    def _end_step_if_over(self) -> None:
+        """A new forward (or backward) after the optimizer ran starts a new step: several
+        optimizers in one iteration stay one step, and a missing scaler.update() still ends it."""
+        if self._optimizer_ran_step == self._step:
+            self._end_step()
+        elif self._did_backward and not self._saw_optimizer and not self._step_scaler:
+            self._end_step()  # a loop with no optimizer: a new forward starts a new step
 
     def _pop_frame(self, module: nn.Module) -> _Frame | None:
         while self._frames:
@@ -789,13 +798,16 @@ class Hunt:
             self._remember(t, idx)
             if grad_on and t.requires_grad:
                 self._hook_grad(t, idx)
-        if self.keep_tensors:
+        if self.keep_tensors and grad_on:
             call.args, call.kwargs = args, kwargs
             dev = outs[0][1].device.type if outs else "cpu"
             call.autocast = _autocast_state(dev)
             if call.autocast[0]:
                 self.autocast_seen = True
         self.devices.add(outs[0][1].device.type if outs else "cpu")
+        if parent is None and not grad_on and not (self._did_backward or self._saw_optimizer
+                                                   or self.scaler_seen):
+            self._end_step()  # inference only: each call of the model is a step
 
     def _alias_through(self, args: tuple, output: Any) -> bool:
         """Dropout only masks and rescales by 1/(1-p): its output's values add nothing to its
@@ -861,6 +873,8 @@ class Hunt:
         name, owner = self._param_names.get(p, ("<param>", ""))
         g = p.grad
         self._grad_params[id(p)] = p
+        if self._scaled_backward:
+            self._scaled_grad_params.add(id(p))
         if not self._full or not _stats.summarizable(g):
             return
         self._queue(g, _Meta(
@@ -946,8 +960,12 @@ class Hunt:
         return backward
 
     def _before_backward(self, tensor: torch.Tensor) -> None:
+        if self._active and not _in_backward() and self._closure_step != self._step \
+                and self._optimizer_ran_step == self._step:
+            self._end_step()
         if self._active and not _in_backward():
-            if id(tensor) not in self._scaled_loss_ids:
+            self._scaled_backward = id(tensor) in self._scaled_loss_ids
+            if not self._scaled_backward:
                 self._record_loss(tensor, "loss")
             self._did_backward = True
 
@@ -1056,25 +1074,32 @@ class Hunt:
             # scaler.step(optimizer) unscales first; a direct optimizer.step() does not
             state = scaler._per_optimizer_states.get(id(optimizer))
             stage = getattr(state.get("stage"), "name", "READY") if state else "READY"
-            if stage == "READY":
+            owns = any(id(p) in self._scaled_grad_params
+                       for g in optimizer.param_groups for p in g["params"])
+            if stage == "READY" and owns:  # (an fp32 side model may step on its own loss)
                 self._misuse("optimizer_on_scaled_grads")
         self._optimizer_ran_step = self._step
         self._data_for(self._step).optimizer_ran = True  # known on the host: no transfer
         # the norm of what this optimizer steps on (a GAN's other model may hold gradients
         # that no optimizer uses, still scaled)
         self._opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+        if kwargs.get("closure") is not None or (args and callable(args[0])):
+            self._closure_step = self._step  # LBFGS & co: the transfer waits for the closure
+            return
         self._flush()  # the step's one transfer, before the update changes the weights
 
     @_safe
     def _on_opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._active:
             return
+        if self._closure_step == self._step:
+            self._flush()  # the closure ran the forward and backward inside step()
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None and _stats.summarizable(p) and not p.is_sparse]
         if params:
             self._queue_params(params)
-        if not self._step_scaler:
-            self._end_step()
+        # the step ends at the next forward (or scaler.update()), not here: a second
+        # optimizer may still step in this iteration
 
     # -- step boundaries and the transfer ---------------------------------------------------
 

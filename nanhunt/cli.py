@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _diagnose_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nanhunt diagnose", description=_DIAGNOSE_HELP, epilog=_EXIT_CODES,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--out", default="nanhunt-report", metavar="DIR",
                    help="folder for report.json, report.html, report.txt (default: %(default)s)")
     p.add_argument("--target", default="float16", choices=sorted(FORMATS),
