@@ -433,6 +433,7 @@ class Hunt:
         self._optimizer_ran_step = -1
         self._unscaled_step = -1
         self._closure_step = -1
+        self._optimizers_seen: set[int] = set()
         self._last_counted_skip = -1
         self._metas: list[_Meta] = []  # this step's rows (and rows still queued from the last)
         self._flushed = 0  # how many of self._metas have crossed to the host
@@ -1069,6 +1070,7 @@ class Hunt:
         if not self._active:
             return
         self._saw_optimizer = True
+        self._optimizers_seen.add(id(optimizer))
         scaler = self._scaler_ref() if self._scaler_ref is not None else None
         if self._step_scaler and scaler is not None and scaler.is_enabled():
             # scaler.step(optimizer) unscales first; a direct optimizer.step() does not
@@ -1098,8 +1100,11 @@ class Hunt:
                   if p.grad is not None and _stats.summarizable(p) and not p.is_sparse]
         if params:
             self._queue_params(params)
-        # the step ends at the next forward (or scaler.update()), not here: a second
-        # optimizer may still step in this iteration
+        # with one optimizer the step ends here (so a distributed run agrees on stopping
+        # while every rank is still in step); once several optimizers step, at the next
+        # forward: a GAN's second optimizer belongs to the same iteration
+        if not self._step_scaler and len(self._optimizers_seen) == 1:
+            self._end_step()
 
     # -- step boundaries and the transfer ---------------------------------------------------
 
