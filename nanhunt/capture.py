@@ -419,6 +419,7 @@ class Hunt:
         self._types: dict[str, str] = {}
         self._roots: list[tuple[weakref.ref, str]] = []
         self._primary_set = False
+        self._primary_root: weakref.ref | None = None
         self._lazy = False  # a lazy module's parameters still await their first forward
         self._param_names = WeakIdKeyDictionary()  # parameter -> (name, owner module name)
         self._param_hooks: list[Any] = []
@@ -604,11 +605,15 @@ class Hunt:
                   label: str | None = None) -> None:
         label = label or _variable_name(root) or type(root).__name__
         has_params = next(root.parameters(), None) is not None
-        if not self._primary_set and (primary or has_params):
+        if self._primary_root is not None and self._primary_root() is root:
+            primary = True  # named again (a lazy or late module): keep its names
+        elif not self._primary_set and (primary or has_params):
             primary, self._primary_set = True, True
+            self._primary_root = weakref.ref(root)
         else:
             primary = False
-        self._roots.append((weakref.ref(root), label))
+        if all(ref() is not root for ref, _ in self._roots):
+            self._roots.append((weakref.ref(root), label))
         inner = _unwrap(root)
         if inner is not root:  # DDP & co: name the user's modules as in their own model
             self._names[root] = label

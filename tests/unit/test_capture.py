@@ -566,3 +566,86 @@ def test_a_bug_in_nanhunt_stops_tracing_but_never_the_training(monkeypatch, caps
     assert hunt.internal_errors and "simulated nanhunt bug" in hunt.internal_errors[0]
     assert "tracing stopped, your run continues" in capsys.readouterr().err
     assert any("internal error" in n for n in hunt.trace().notes)
+
+
+# ----------------------------------------------------------------------------- review fixes
+
+
+def test_inference_mode_passes_do_not_stop_tracing():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, opt) as hunt:
+        for step in range(4):
+            if step == 1:
+                with torch.inference_mode():
+                    model(torch.randn(2, 4))
+            x = torch.randn(3, 4)
+            if step == 3:
+                x[1, 1] = float("nan")
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    assert not hunt.internal_errors
+    assert (hunt.first_failure.step, hunt.first_failure.phase) == (3, "data")
+
+
+def test_lazy_modules_are_watched_once_materialised():
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 1))
+    opt = None
+    with nanhunt.watch(model) as hunt:
+        for step in range(3):
+            x = torch.randn(3, 5)
+            if step == 2:
+                x[0, 0] = float("inf")
+            out = model(x)
+            if opt is None:
+                opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            opt.zero_grad()
+            out.sum().backward()
+            opt.step()
+    assert not hunt.internal_errors
+    assert (hunt.first_failure.step, hunt.first_failure.phase) == (2, "data")
+    assert any(r.role == "param_grad" and r.tensor == "0.weight.grad" for r in hunt.records(1))
+
+
+def test_a_module_returning_its_input_keeps_the_batch_as_data():
+    model = nn.Sequential(nn.Identity(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(5, 4)
+    x[2, 0] = float("nan")
+    with nanhunt.watch(model, opt) as hunt:
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    f = hunt.first_failure
+    assert (f.phase, f.tensor) == ("data", "input[0]")
+    assert hunt.failure_extra["bad_samples"] == {"input[0]": [2]}
+
+
+def test_inference_loops_are_stepped_per_call_and_hold_nothing():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    with nanhunt.watch(model) as hunt, torch.no_grad():
+        for _ in range(20):
+            model(torch.randn(32, 64))
+            assert not any(not isinstance(v[2], weakref.ref) for v in hunt._seen.values())
+    assert len(hunt.steps) == 20
+
+
+def test_a_float32_side_optimizer_is_not_scaler_misuse():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    probe = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with nanhunt.watch(model, opt, scaler) as hunt:
+        for x, y in batches(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            probe_opt.zero_grad()
+            probe(x).pow(2).mean().backward()  # its own, unscaled loss
+            probe_opt.step()
+            scaler.step(opt)
+            scaler.update()
+    assert all(not s.misuse for s in hunt.steps)
