@@ -435,6 +435,7 @@ class Hunt:
         self._unscaled_step = -1
         self._closure_step = -1
         self._optimizers_seen: set[int] = set()
+        self._optimizer_exists = self._optimizer_ref is not None
         self._last_counted_skip = -1
         self._metas: list[_Meta] = []  # this step's rows (and rows still queued from the last)
         self._flushed = 0  # how many of self._metas have crossed to the host
@@ -569,6 +570,7 @@ class Hunt:
             self._patch(stack, scaler_cls, "scale", self._wrap_scale)
             self._patch(stack, scaler_cls, "update", self._wrap_update)
             self._patch(stack, scaler_cls, "unscale_", self._wrap_unscale)
+            self._patch(stack, torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
             clip = self._wrap_clip(torch.nn.utils.clip_grad_norm_)
             for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
                 if getattr(owner, "clip_grad_norm_", None) is not None:
@@ -717,7 +719,8 @@ class Hunt:
         optimizers in one iteration stay one step, and a missing scaler.update() still ends it."""
         if self._optimizer_ran_step == self._step:
             self._end_step()
-        elif self._did_backward and not self._saw_optimizer and not self._step_scaler:
+        elif self._did_backward and not self._saw_optimizer and not self._step_scaler \
+                and not self._optimizer_exists:
             self._end_step()  # a loop with no optimizer: a new forward starts a new step
 
     def _pop_frame(self, module: nn.Module) -> _Frame | None:
@@ -1025,6 +1028,16 @@ class Hunt:
     def _after_update(self, scaler: Any) -> None:
         self._scalar(scaler._scale.clone(), "scale_after")
         self._end_step()
+
+    def _wrap_optimizer_init(self, original: Any) -> Any:
+        hunt = self
+
+        def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+            hunt._optimizer_exists = True  # micro-batches before its first step are one step
+            return original(optimizer, *args, **kwargs)
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        return __init__
 
     def _wrap_unscale(self, original: Any) -> Any:
         hunt = self

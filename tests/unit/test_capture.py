@@ -649,3 +649,31 @@ def test_a_float32_side_optimizer_is_not_scaler_misuse():
             scaler.step(opt)
             scaler.update()
     assert all(not s.misuse for s in hunt.steps)
+
+
+@pytest.mark.parametrize("pass_optimizer", [True, False])
+def test_gradient_accumulation_is_one_step_per_optimizer_step(pass_optimizer):
+    model = nn.Linear(4, 1)
+    hunt = nanhunt.Hunt(model)
+    with hunt:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # made under the session, as in a script
+        if pass_optimizer:
+            hunt._optimizer_exists = True
+        for _ in range(2):
+            opt.zero_grad()
+            for _ in range(3):  # three micro-batches
+                model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    assert [s.index for s in hunt.steps] == [0, 1]
+
+
+def test_a_loop_without_any_optimizer_still_has_steps():
+    model = nn.Linear(4, 1)
+    with nanhunt.watch(model) as hunt:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 1e-3 * p.grad
+                    p.grad = None
+    assert len(hunt.steps) == 3
