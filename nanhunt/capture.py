@@ -463,7 +463,7 @@ class Hunt:
         if self.sample_every > 1 and self._stack is not None:
             self._set_module_hooks(self._full or not (self._saw_optimizer or self.scaler_seen))
         self._did_backward = False
-        self._scaled_loss_ids: set[int] = set()
+        self._scaled_losses: list[weakref.ref] = []  # by identity: ids of freed ones are reused
         self._transferred = False
         self._step_scaler = False
 
@@ -973,7 +973,7 @@ class Hunt:
                 and self._optimizer_ran_step == self._step:
             self._end_step()
         if self._active and not _in_backward():
-            self._scaled_backward = id(tensor) in self._scaled_loss_ids
+            self._scaled_backward = any(r() is tensor for r in self._scaled_losses)
             if not self._scaled_backward:
                 self._record_loss(tensor, "loss")
             self._did_backward = True
@@ -994,7 +994,7 @@ class Hunt:
             self.scaler_seen = self._step_scaler = True
             if isinstance(outputs, torch.Tensor):
                 self._record_loss(outputs, "loss")
-                self._scaled_loss_ids.add(id(result))
+                self._scaled_losses.append(weakref.ref(result))
             if scaler._scale is not None:
                 self._scalar(scaler._scale, "scale")
             self._scaler_ref = weakref.ref(scaler)

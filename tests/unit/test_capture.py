@@ -631,7 +631,9 @@ def test_inference_loops_are_stepped_per_call_and_hold_nothing():
     assert len(hunt.steps) == 20
 
 
-def test_a_float32_side_optimizer_is_not_scaler_misuse():
+@pytest.mark.parametrize("seed", [7, 8])  # (seeds where a freed loss's id was once reused)
+def test_a_float32_side_optimizer_is_not_scaler_misuse(seed):
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     probe = nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
