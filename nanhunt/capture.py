@@ -131,6 +131,20 @@ def tensor_leaves(obj: Any, path: str, out: list[tuple[str, torch.Tensor]], dept
             tensor_leaves(getattr(obj, f.name, None), f"{path}.{f.name}", out, depth + 1)
 
 
+def map_tensors(obj: Any, fn: Any) -> Any:
+    """``obj`` with each tensor replaced by ``fn(tensor)``, through the same containers as
+    :func:`tensor_leaves` (tuples, lists, dicts, named tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
 def _leaves(obj: Any, path: str) -> list[tuple[str, torch.Tensor]]:
     if isinstance(obj, torch.Tensor):  # the common case, without the walk
         return [(path, obj)]
@@ -254,7 +268,6 @@ class _Call:
     kwargs: Any = None
     autocast: tuple[bool, torch.dtype | None] = (False, None)
     output_rows: list[int] = field(default_factory=list)
-    input_rows: list[int] = field(default_factory=list)
     mutated_inputs: list[str] = field(default_factory=list)  # changed in place by the call
 
 
@@ -753,7 +766,6 @@ class Hunt:
                     self._describe_input(m, frame, call, path, t)
                 m.consumers.append(frame.call)
                 m.consumer_paths.append(path)
-                call.input_rows.append(idx)
                 continue
             mutated = id(t) in mutated_ids
             meta = _Meta(
@@ -767,11 +779,10 @@ class Hunt:
                 meta.order, meta.module, meta.role = self._next_order(), name, "output"
                 meta.tensor, meta.producer, meta.parent = f"{path} (changed in place)", \
                     frame.call, parent
-                meta.allowed = self._allowed(name, path)
+                meta.allowed, meta.mutated = self._allowed(name, path), True
             else:
                 self._describe_input(meta, frame, call, path, t)
             idx = self._queue(t, meta)
-            call.input_rows.append(idx)
             self._remember(t, idx)
             if grad_on and t.requires_grad:
                 self._hook_grad(t, idx)
@@ -1610,16 +1621,7 @@ class Hunt:
 
 
 def _clone_tree(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return type(obj)((k, _clone_tree(v)) for k, v in obj.items()) if type(obj) is dict \
-            else {k: _clone_tree(v) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_clone_tree(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone_tree(v) for v in obj)
-    return obj
+    return map_tensors(obj, lambda t: t.detach().clone())
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .capture import Snapshot, tensor_leaves
+from .capture import Snapshot, map_tensors, tensor_leaves
 from .errors import NanhuntError
 from .formats import get_format
 from .trace import OpRecord, Trace
@@ -160,20 +160,18 @@ class _OpRecorder(TorchDispatchMode):
 
 
 def _to_dtype(obj: Any, dtype: torch.dtype | None, requires_grad: bool) -> Any:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().clone()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        if requires_grad and t.is_floating_point():
-            t.requires_grad_(True)
+    """Fresh copies of the captured inputs, floats converted to ``dtype``."""
+
+    def prepare(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().clone()
+        if t.is_floating_point():
+            if dtype is not None:
+                t = t.to(dtype)
+            if requires_grad:
+                t.requires_grad_(True)
         return t
-    if isinstance(obj, dict):
-        return {k: _to_dtype(v, dtype, requires_grad) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_dtype(v, dtype, requires_grad) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_dtype(v, dtype, requires_grad) for v in obj)
-    return obj
+
+    return map_tensors(obj, prepare)
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -471,13 +469,8 @@ def _why_not(kind: str) -> str:
 
 
 def _map_tensors(obj: Any, fn: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj) if obj.is_floating_point() else obj
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    return obj
+    """Apply ``fn`` to the floating-point tensors in ``obj``."""
+    return map_tensors(obj, lambda t: fn(t) if t.is_floating_point() else t)
 
 
 # ----------------------------------------------------------------------------- snapshots
