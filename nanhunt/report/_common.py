@@ -234,20 +234,34 @@ def same_place(a: Failure, b: Failure) -> bool:
     return (a.step, a.phase, a.module, a.tensor) == (b.step, b.phase, b.module, b.tensor)
 
 
+def shape_text(stats: TensorStats) -> str:
+    """``64×512``; ``scalar`` for a 0-d tensor (a loss); ``?`` when the shape was not kept."""
+    if stats.shape:
+        return "×".join(str(d) for d in stats.shape)
+    return "scalar" if stats.numel == 1 else "?"
+
+
 def values_summary(stats: TensorStats, fmt: NumberFormat) -> list[str]:
     """Short phrases describing a tensor's values against the target format."""
-    out = [f"amax {fmt_num(stats.amax)}"]
+    finite = stats.numel - stats.nonfinite
+    out = [f"amax {fmt_num(stats.amax)}" if finite else "no finite value"]
     if stats.posinf or stats.neginf:
         out.append(f"{fmt_count(stats.posinf)} +inf, {fmt_count(stats.neginf)} -inf")
     else:
         out.append("0 inf")
     out.append(f"{fmt_count(stats.nan)} nan")
-    if stats.overflow:
-        out.append(f"{fmt_count(stats.overflow)} over {fmt.name} max")
+    if stats.overflow:  # finite values only; NaN/inf are counted above
+        out.append(f"{fmt_count(stats.overflow)} finite over {fmt.name} max")
     elif not stats.nonfinite:
         out.append(f"headroom {fmt_binades(stat_headroom(stats, fmt))} binades")
+    if stats.zero:
+        out.append(f"{fmt_count(stats.zero)} exact zeros")
     if stats.underflow:
-        out.append(f"{fmt_pct(stats.underflow_fraction)} subnormal or flushed")
+        n = stats.underflow - stats.flushed
+        if n:
+            out.append(f"{fmt_count(n)} subnormal in {fmt.name}")
+        if stats.flushed:
+            out.append(f"{fmt_count(stats.flushed)} would flush to zero in {fmt.name}")
     return out
 
 

@@ -33,6 +33,7 @@ from ._common import (
     rank_status,
     ranked_warnings,
     scaler_notes,
+    shape_text,
     target_format,
     verdict,
 )
@@ -275,7 +276,7 @@ def _failure(ff: Failure, fmt: NumberFormat) -> str:
             line = f'<pre class="src-line"><code>{_highlight(ff.source_line.strip())}</code></pre>'
         source = f'<div class="source">{loc}{line}</div>'
     s = ff.stats
-    shape = "×".join(str(d) for d in s.shape) if s.shape else "?"
+    shape = shape_text(s)
     stats = [
         ("amax", fmt_num(s.amax), ""),
         ("+inf", fmt_count(s.posinf), "bad" if s.posinf else ""),
@@ -294,7 +295,7 @@ def _failure(ff: Failure, fmt: NumberFormat) -> str:
     if ff.bad_samples:
         samples = "; ".join(f"{k}: {bad_samples_text(v)}" for k, v in ff.bad_samples.items())
         detail += f'<p class="detail">Samples with non-finite values: {esc(samples)}</p>'
-    over = f", {fmt_count(s.overflow)} over the max" if s.overflow else ""
+    over = f", {fmt_count(s.overflow)} finite values over the max" if s.overflow else ""
     inner = (
         f'<div class="kv-row">{cells}</div>{source}'
         f'<div class="stats">{stat_html}</div>'

@@ -11,6 +11,7 @@ import pytest
 
 from nanhunt.trace import (
     SCHEMA_VERSION,
+    CastCounts,
     Failure,
     Finding,
     LayerStats,
@@ -31,6 +32,7 @@ SECTIONS = {
     StepRecord: "StepRecord",
     ScalerEvent: "ScalerEvent",
     LayerStats: "LayerStats",
+    CastCounts: "CastCounts",
     TensorStats: "TensorStats",
     Failure: "Failure",
     Finding: "Finding",
