@@ -159,6 +159,9 @@ class Recorder:
             acc.bwd_by_step[meta.step] = max(acc.bwd_by_step.get(meta.step, 0.0), float(row[5]))
         elif meta.role == "param_grad":
             acc.param_grad = _merge_rows(acc.param_grad, row)
+            # per step too: which module's gradients grow first (exploding gradients)
+            acc.pgrad_by_step[meta.step] = max(acc.pgrad_by_step.get(meta.step, 0.0),
+                                               float(row[5]))
         elif meta.role == "param":
             acc.param_by_step[meta.step] = max(acc.param_by_step.get(meta.step, 0.0),
                                                float(row[5]))
@@ -197,7 +200,8 @@ class Recorder:
 
     def prune_history(self, oldest: int) -> None:
         for acc in self.accs.values():
-            for by_step in (acc.fwd_by_step, acc.bwd_by_step, acc.param_by_step):
+            for by_step in (acc.fwd_by_step, acc.bwd_by_step, acc.param_by_step,
+                            acc.pgrad_by_step):
                 for k in [k for k in by_step if k < oldest]:
                     del by_step[k]
 
@@ -246,6 +250,7 @@ class Recorder:
             forward_amax_by_step=dict(acc.fwd_by_step),
             backward_amax_by_step=dict(acc.bwd_by_step),
             param_amax_by_step=dict(acc.param_by_step),
+            param_grad_amax_by_step=dict(acc.pgrad_by_step),
         )
 
     def records(self, step: int | None = None) -> list[TensorRecord]:

@@ -141,6 +141,7 @@ class Hunt:
         self._closure_step = -1
         self._optimizers_seen: set[int] = set()
         self._optimizer_exists = self._optimizer_ref is not None
+        self._first_optimizer: weakref.ref | None = None  # the first one the script made
         self._begin_step_state()
 
     def _observers(self) -> list[Any]:
@@ -150,6 +151,7 @@ class Hunt:
         self.cur = StepState(self.keep_tensors)
         self.recorder.begin_step(self._step)
         self._full = self._step % self.sample_every == 0 or bool(self.judge.problem_steps)
+        self.cur.traced = self._full
         if self.sample_every > 1 and self._stack is not None:
             # global module hooks slow every module call: sampled mode drops them between
             # sampled steps
@@ -317,7 +319,9 @@ class Hunt:
     def _end_step(self) -> None:
         if not self.cur.transferred:
             self._flush()
-        self.recorder.step_record(self._step)
+        rec = self.recorder.step_record(self._step)
+        rec.traced = self.cur.traced
+        rec.lr = self._current_lr()
         self.cur.clear_handles()
         if self.on_step is not None:
             self.on_step(self.recorder.step_records[self._step], self)
@@ -330,6 +334,19 @@ class Hunt:
                           "where the first non-finite value appeared")
         if self.max_steps is not None and self._step >= self.max_steps:
             raise StopRun(f"nanhunt stopped the script after {self._step} steps (--max-steps)")
+
+    def _current_lr(self) -> float | None:
+        """The first optimizer's learning rate, read on the host: a scheduler that advances on
+        steps GradScaler skipped shows as an lr that moves while nothing was applied."""
+        ref = self._optimizer_ref or self._first_optimizer
+        opt = ref() if ref is not None else None
+        if opt is None or not getattr(opt, "param_groups", None):
+            return None
+        lr = opt.param_groups[0].get("lr")
+        if isinstance(lr, torch.Tensor):
+            # a tensor lr on an accelerator would cost a sync: skip it
+            return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else None
+        return float(lr) if isinstance(lr, (int, float)) else None
 
     def _flush(self) -> None:
         """Move every queued row to the host in one transfer and digest it."""

@@ -91,6 +91,7 @@ class _LayerAcc:
     fwd_by_step: dict[int, float] = field(default_factory=dict)
     bwd_by_step: dict[int, float] = field(default_factory=dict)
     param_by_step: dict[int, float] = field(default_factory=dict)
+    pgrad_by_step: dict[int, float] = field(default_factory=dict)  # as stored (scaled)
 
 
 def _merge_rows(acc: np.ndarray | None, row: np.ndarray) -> np.ndarray:
@@ -144,6 +145,7 @@ class StepState:
         self.scaled_losses: list[weakref.ref] = []  # by identity: ids of freed ones are reused
         self.transferred = False
         self.step_scaler = False
+        self.traced = True  # the step began with full tracing (not skipped by --sample-every)
 
     def next_order(self) -> int:
         self.order += 1

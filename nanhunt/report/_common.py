@@ -191,7 +191,14 @@ def _problem_text(trace: Trace) -> str:
     kind = (diag.kind if diag else "") or "non-finite value"
     kind = kind.replace("_", " ")
     ff = trace.first_failure
-    if ff is not None:
+    if diag is not None and diag.rule == "untraced-step" and ff is not None:
+        return f"non-finite {ff.tensor} at step {ff.step}: origin not observed (step not traced)"
+    if diag is not None and ff is not None and (diag.phase or diag.module):
+        # the cause, not where the symptom surfaced: a collapse caused by a backward op is
+        # that op's, in backward
+        phase, step = diag.phase or ff.phase, ff.step
+        module, tensor = diag.module or ff.module, ff.tensor
+    elif ff is not None:
         phase, step, module, tensor = ff.phase, ff.step, ff.module, ff.tensor
     elif diag is not None:
         phase, step, module, tensor = diag.phase, diag.step, diag.module, diag.tensor
@@ -205,6 +212,8 @@ def _problem_text(trace: Trace) -> str:
     text = " ".join(parts)
     if module:
         text += f", module {module}"
+        if ff is not None and ff.op and diag is not None and diag.kind == "nan_op":
+            text += f" ({ff.op.removesuffix('.default')})"
     elif tensor:
         text += f", tensor {tensor}"
     elif diag is not None and not ff:

@@ -24,7 +24,6 @@ torch.manual_seed(0)
 
 class SignedSqrtPool(nn.Module):
     def forward(self, f):
-        b, c = f.shape[:2]
         f = f.flatten(2)
         z = (f @ f.transpose(1, 2) / f.shape[-1]).flatten(1)
         return torch.sign(z) * torch.sqrt(z.abs())

@@ -4,11 +4,11 @@ the gradients through time explode while the forward stays bounded.
 Autocast fp16 + GradScaler, fp32 parameters, SGD lr 0.2 (``--clip``: clip_grad_norm_ after
 unscale_, the healthy control; ``--no-autocast --no-scaler``: the float32 reference).  The cell
 ("cell", LSTMCellHandmade: one Linear for the four gates) starts with its forget-gate bias at +3
-(a common trick for long memory), a recurrent weight of std 0.3, and emits h = o * c without the
-tanh on the cell state: the cell state keeps most of its past, and the gradient that flows back
+(a common trick for long memory), a recurrent weight of std 0.3, and emits h = o * c without
+the tanh on the cell state: the cell state keeps most of its past, and the gradient that flows back
 through 50 steps is amplified through h -> gates -> c.  In float32 the cell's gradient norm is
-~1.7e4 at step 0 and ~1e7-1e8 at steps 1-3, while the head's stays below ~100.  The readout "head" is a
-Linear on the last hidden state.
+~1.7e4 at step 0 and ~1e7-1e8 at steps 1-3, while the head's stays below ~100.  The readout
+"head" is a Linear on the last hidden state.
 Expected: under GradScaler the unscaled gradients of "cell" exceed fp16's max at any scale, so
 GradScaler skips every step and the scale collapses while the loss stays finite; the module whose
 gradient grows is "cell" (not "head").
