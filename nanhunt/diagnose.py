@@ -66,7 +66,6 @@ PRECEDENCE = (
     "optimizer-update",
     "optimizer-eps",
     "scale-collapse",
-    "skip-streak",
     "loss-nan-op",
     "forward-nan-op",
     "backward-nan-op",
@@ -75,6 +74,7 @@ PRECEDENCE = (
     "exploding-gradient",
     "forward-overflow",
     "backward-overflow",
+    "skip-streak",  # skips are often a symptom: an explosion or an op above explains them
 )
 
 #: Rules whose errors are the diagnosis even when no value went non-finite.
@@ -1575,8 +1575,91 @@ def _vanished(ctx: Context) -> list[StepRecord]:
     return zero if uses_target and len(zero) >= 2 and len(zero) == len(steps) else []
 
 
+@dataclass(frozen=True)
+class _FlushSite:
+    """Where gradients first flush to zero, in backward order."""
+
+    module: str
+    values: int
+    flushed: int  # exactly 0 after the cast though non-zero before it (measured), or exact zeros
+    subnormal: int
+    source_zero: int | None  # zeros before the cast; None when no cast was measured
+    evidence: str
+
+    @property
+    def flushed_fraction(self) -> float:
+        nonzero = self.values - (self.source_zero or 0)
+        return self.flushed / nonzero if nonzero else 0.0
+
+
+def _flush_site(ctx: Context) -> _FlushSite | None:
+    """The first module in backward order whose output gradient, in the target format, is
+    mostly flushed or subnormal: measured at the down-cast where autocast computed it in a wider
+    dtype (non-zero before, zero after), else the exact zeros of the stored gradient."""
+    fmt, th = ctx.fmt, ctx.th
+    layers = ctx.trace.layers
+    def same_output(a: LayerStats, b: LayerStats) -> bool:
+        sa, sb = (a.forward, a.backward), (b.forward, b.backward)
+        return all(x is not None and y is not None and (x.numel, x.zero, x.underflow, x.amax)
+                   == (y.numel, y.zero, y.underflow, y.amax) for x, y in zip(sa, sb))
+
+    for layer in sorted(layers, key=lambda la: -ctx.order.get(la.module, 0)):
+        if any(ctx.order.get(o.module, 0) < ctx.order.get(layer.module, 0)
+               and same_output(o, layer) for o in layers):
+            continue  # a container returning its child's output: the child is the site
+        cc = layer.grad_cast
+        if cc is not None and cc.values and cc.dtype == fmt.name:
+            nonzero = cc.values - cc.source_zero
+            if nonzero and (cc.flushed / nonzero >= th.flushed
+                            or (cc.flushed + cc.subnormal) / nonzero >= th.underflow):
+                return _FlushSite(
+                    layer.module, cc.values, cc.flushed, cc.subnormal, cc.source_zero,
+                    f"the gradient reaching {layer.module} (its output gradient, computed in "
+                    f"{cc.source_dtype} and cast to {cc.dtype}) over the recorded steps: "
+                    f"{nonzero:,} of {cc.values:,} values were non-zero in {cc.source_dtype} "
+                    f"(largest {_n(cc.source_amax)}); the cast flushed {cc.flushed:,} "
+                    f"({_pct(cc.flushed / nonzero)}) to exactly 0 and left {cc.subnormal:,} "
+                    f"({_pct(cc.subnormal / nonzero)}) subnormal; {cc.source_zero:,} were "
+                    "already 0 before the cast (reported apart, not flushed)",
+                )
+            continue
+        b = layer.backward
+        if b is None or not b.numel or b.dtype != fmt.name:
+            continue
+        sub = b.underflow
+        if b.zero / b.numel >= th.flushed or (b.zero + sub) / b.numel >= th.underflow:
+            normal = b.numel - b.zero - sub - b.nonfinite
+            return _FlushSite(
+                layer.module, b.numel, b.zero, sub, None,
+                f"the gradient reaching {layer.module} ({b.dtype}, its output gradient) over "
+                f"the recorded steps: {b.zero:,} of {b.numel:,} values ({_pct(b.zero / b.numel)}) "
+                f"exactly 0, {sub:,} ({_pct(sub / b.numel)}) subnormal, {normal:,} normal (no "
+                "wider value was cast here, so zeros that were zero already are included)",
+            )
+    return None
+
+
 def _underflow(ctx: Context, message: Callable[[float, str], str]) -> Iterator[Finding]:
     """The gradient-underflow finding, worded by ``message(fraction lost, where)``."""
+    for finding in _underflow_findings(ctx, message):
+        site = _flush_site(ctx)
+        if site is not None:
+            finding.module = site.module
+            finding.tensor = "output gradient"
+            finding.message += (
+                f"; in backward order they first flush at {site.module}: "
+                f"{_pct(site.flushed_fraction)} of the gradient reaching it is flushed to zero"
+            )
+            finding.evidence.insert(0, site.evidence)
+            finding.data["site"] = {
+                "module": site.module, "values": site.values, "flushed": site.flushed,
+                "subnormal": site.subnormal, "source_zero": site.source_zero,
+                "flushed_fraction": site.flushed_fraction,
+            }
+        yield finding
+
+
+def _underflow_findings(ctx: Context, message: Callable[[float, str], str]) -> Iterator[Finding]:
     fmt = ctx.fmt
     k, where = ctx.gradient_shift()
     zero = _vanished(ctx)
@@ -1604,9 +1687,10 @@ def _underflow(ctx: Context, message: Callable[[float, str], str]) -> Iterator[F
         "warning",
         message(fr.lost, where),
         [
-            f"{source} {where}: {_pct(fr.subnormal)} subnormal (below "
-            f"{fmt.smallest_normal:.3g}), {_pct(fr.flushed)} flushed to zero (below "
-            f"{fmt.smallest_subnormal:.3g}), {_pct(fr.normal)} normal, of {fr.total} values"
+            f"{source} {where}, of their {fr.total:,} non-zero values: {_pct(fr.subnormal)} "
+            f"subnormal (below {fmt.smallest_normal:.3g}), {_pct(fr.flushed)} below "
+            f"{fmt.smallest_subnormal:.3g} (would flush), {_pct(fr.normal)} normal; exact "
+            "zeros have no binade and are counted at the module"
         ],
         phase="backward",
         score=min(9.0, 4.0 + 3.0 * fr.lost + 2.0 * fr.flushed),
@@ -1629,7 +1713,8 @@ def gradient_underflow(trace: Trace, ctx: Context) -> Iterator[Finding]:
         ctx,
         lambda lost, where: (
             f"{_pct(lost)} of the gradients lose precision or vanish in "
-            f"{ctx.fmt.name} {where}: scale the loss (GradScaler)"
+            f"{ctx.fmt.name} {where}: scale the loss (GradScaler), or rescale the loss or the "
+            "targets to a larger range"
         ),
     )
 

@@ -3,6 +3,7 @@ buffer of decoded steps, the step timeline and the per-module ranges."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 
 from .. import stats as _stats
 from ..formats import NumberFormat
-from ..trace import LayerStats, ScalerEvent, StepRecord, TensorRecord, TensorStats
+from ..trace import CastCounts, LayerStats, ScalerEvent, StepRecord, TensorRecord, TensorStats
 from .state import _LayerAcc, _merge_rows, _Meta, _StepData
 
 _HIST_OFFSET = 320  # gradient histograms span binades -320..319 (room to unscale)
@@ -44,6 +45,8 @@ class Recorder:
         self.step_order: deque[int] = deque(maxlen=max(keep_steps, HISTORY))
         self.accs: dict[str, _LayerAcc] = {}
         self.grad_hist: dict[str, np.ndarray] = {}
+        # module -> CastCounts of its output gradient at a down-cast, over the recorded steps
+        self.casts: dict[str, CastCounts] = {}
 
     def begin_step(self, step: int) -> None:
         """Rows still queued from the last step stay; the flushed ones are dropped."""
@@ -65,6 +68,18 @@ class Recorder:
         """A device scalar of the step now recorded (loss, scale, found_inf, gradient norm)."""
         self.pending_scalars.append(value.detach().reshape(-1)[:1].double())
         self.pending_scalar_keys.append((self.step, key))
+
+    def cast_counts(self, owner: str, numel: int, counts: torch.Tensor, source_dtype: str,
+                    dtype: str) -> None:
+        """A down-cast's counts (source zeros, flushed, subnormal, source amax) as device
+        scalars: they cross with the step's one transfer."""
+        cc = self.casts.get(owner)
+        if cc is None:
+            cc = self.casts[owner] = CastCounts(source_dtype=source_dtype, dtype=dtype)
+        cc.values += numel  # known on the host
+        for i, name in enumerate(("source_zero", "flushed", "subnormal", "source_amax")):
+            self.pending_scalars.append(counts[i:i + 1])
+            self.pending_scalar_keys.append((self.step, f"cast\0{owner}\0{name}"))
 
     def flush(self, step: int, parents: dict[int, int | None]) -> None:
         """Move every queued row to the host in one transfer and digest it; ``parents`` are
@@ -121,6 +136,13 @@ class Recorder:
                 d.found_inf = bool(value > 0)
             elif key == "grad_sumsq":  # one per optimizer that stepped
                 d.grad_sumsq = (d.grad_sumsq or 0.0) + float(value)
+            elif key.startswith("cast\0"):
+                _, owner, name = key.split("\0")
+                cc = self.casts[owner]
+                if name == "source_amax":
+                    cc.source_amax = max(cc.source_amax, float(value))
+                else:
+                    setattr(cc, name, getattr(cc, name) + int(value))
         arrived = []
         for meta, row in zip(new, matrix):
             if meta.approx is not None:
@@ -251,6 +273,7 @@ class Recorder:
             backward_amax_by_step=dict(acc.bwd_by_step),
             param_amax_by_step=dict(acc.param_by_step),
             param_grad_amax_by_step=dict(acc.pgrad_by_step),
+            grad_cast=copy.copy(self.casts.get(acc.module)),
         )
 
     def records(self, step: int | None = None) -> list[TensorRecord]:
