@@ -1987,15 +1987,23 @@ def _untraced_failure(ctx: Context) -> bool:
     if f is None or f.phase == "data":
         return False
     rec = ctx.steps.get(f.step)
-    if rec is not None and rec.traced is not None:
-        return not rec.traced
-    return False
+    if rec is None or rec.traced is None or rec.traced:
+        return False
+    # the cheap check sees the updated parameters and the gradient norm: weights that went
+    # non-finite in an update of finite gradients were observed where they were made
+    return not (f.phase == "optimizer" and rec.grad_norm is not None
+                and math.isfinite(rec.grad_norm))
 
 
 def _diagnose_untraced(trace: Trace, ctx: Context) -> None:
     f = ctx.failure
     assert f is not None
     traced = [s.index for s in trace.steps if s.traced]
+    after = [i for i in traced if i > f.step]
+    evidence = [f"steps traced in full: {', '.join(str(i) for i in traced[-8:]) or 'none'}"]
+    if after:
+        evidence.append(f"nanhunt traced the {len(after)} steps after it in full and the failure "
+                        "did not recur there")
     trace.diagnosis = Finding(
         rule="untraced-step",
         kind="",
@@ -2006,7 +2014,7 @@ def _diagnose_untraced(trace: Trace, ctx: Context) -> None:
             f"again without --sample-every (or with --max-steps {f.step + 1}) to trace step "
             f"{f.step}"
         ),
-        evidence=[f"steps traced before it: {', '.join(str(i) for i in traced[-8:]) or 'none'}"],
+        evidence=evidence,
         step=f.step,
         score=ERROR_SCORE,
         data={"observed": False},

@@ -152,6 +152,8 @@ class Hunt:
         self.recorder.begin_step(self._step)
         self._full = self._step % self.sample_every == 0 or bool(self.judge.problem_steps)
         self.cur.traced = self._full
+        if self._full:
+            self.judge.traced_steps.add(self._step)
         if self.sample_every > 1 and self._stack is not None:
             # global module hooks slow every module call: sampled mode drops them between
             # sampled steps
@@ -176,7 +178,8 @@ class Hunt:
 
     @property
     def first_failure(self) -> Failure | None:
-        return self.judge.first_failure
+        # a failure on a step sampled mode did not trace, until (unless) a traced step fails
+        return self.judge.first_failure or self.judge.untraced_failure
 
     @property
     def problem(self) -> str | None:
@@ -368,17 +371,26 @@ class Hunt:
         failure = copy.deepcopy(self.first_failure)
         if failure is not None and self.failure_extra.get("bad_samples"):
             failure.bad_samples = dict(self.failure_extra["bad_samples"])
+        notes = [f"nanhunt stopped tracing after an internal error: {e}"
+                 for e in self.internal_errors]
+        untraced = self.judge.untraced_failure
+        if failure is None and untraced is not None:
+            failure = copy.deepcopy(untraced)  # it never recurred: its origin was not observed
+        elif failure is not None and untraced is not None and untraced.step < failure.step:
+            notes.append(
+                f"step {untraced.step} went non-finite ({untraced.tensor}) but --sample-every "
+                "had not traced it; nanhunt traced the steps after it fully and located the "
+                f"first failure there, at step {failure.step}")
         return Trace(
             run=run,
             steps=copy.deepcopy(self.steps),
             layers=self.layers,
             first_failure=failure,
-            problem=self.first_failure is not None,
+            problem=failure is not None,
             facts=list(self.facts),
             scaler_events=list(self.scaler_events),
             grad_hist=self.grad_histograms(),
-            notes=[f"nanhunt stopped tracing after an internal error: {e}"
-                   for e in self.internal_errors],
+            notes=notes,
         )
 
 

@@ -37,6 +37,7 @@ RUNS = {
     "collapse-cnn": ([], SCRIPTS / "collapse_signed_sqrt_cnn.py", []),
     "collapse-transformer": ([], SCRIPTS / "collapse_zero_norm_transformer.py", []),
     "sampled-ffn": (["--sample-every", "2"], EXAMPLES / "ffn_overflow.py", []),
+    "sampled-nan": (["--sample-every", "2"], EXAMPLES / "nan_batch.py", []),
 }
 
 #: name -> (script, args) run under tests/reference.py
@@ -232,7 +233,7 @@ def test_a_collapse_caused_by_a_backward_op_is_that_op(runs, refs, name, module)
     assert "sqrt" in f["source_line"]
     assert any("collapse" in e or "lowered the scale" in e for e in run.diagnosis["evidence"])
     assert run.recs()[0] == "clamp"
-    headline = run.text.splitlines()[0]
+    headline = run.text.splitlines()[1]
     assert "nan op in backward" in headline and module in headline
     assert "loss scale in loss_scaling" not in run.text + run.html
 
@@ -240,11 +241,21 @@ def test_a_collapse_caused_by_a_backward_op_is_that_op(runs, refs, name, module)
 # ----------------------------------------------------------------------------- 10. sampled
 
 
-def test_sampled_mode_names_no_cause_for_a_step_it_did_not_trace(runs):
+def test_sampled_mode_traces_the_next_occurrence_before_diagnosing(runs):
+    # ffn_overflow fails from step 3 on (a step --sample-every 2 skips); GradScaler skips it, so
+    # the weights are unchanged and step 4, traced in full, fails at the same module
     run = runs["sampled-ffn"]
+    assert _verdict(run) == (1, "overflow", "forward", "encoder.blocks.1.ffn.wo")
+    assert run.report["first_failure"]["step"] == 4
+    assert any("step 3 went non-finite" in n for n in run.report["notes"])
+
+
+def test_sampled_mode_names_no_cause_for_a_step_it_did_not_trace(runs):
+    # nan_batch's corrupt record is in step 3's batch only: it never recurs
+    run = runs["sampled-nan"]
     assert run.code == 1
     d = run.diagnosis
     assert d["rule"] == "untraced-step" and d["module"] is None and d["kind"] == ""
     assert "not observed" in d["message"] and "--sample-every" in d["message"]
     assert run.report["recommendations"] == []
-    assert "origin not observed" in run.text.splitlines()[0]
+    assert "origin not observed" in run.text.splitlines()[1]
