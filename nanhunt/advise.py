@@ -300,7 +300,7 @@ def _init_scale(trace: Trace, ctx: Context, finding: Finding) -> Recommendation 
     if not had_scaler and choice.headroom is not None:
         plain = scale_fractions(hist, fmt, 0)
         evidence.append(
-            f"{source}, {plain.total} values, without a loss scale: {_fractions(plain)}"
+            f"{source}, {plain.total} non-zero values, without a loss scale: {_fractions(plain)}"
         )
     if choice.headroom is None:
         evidence.append(
@@ -309,7 +309,8 @@ def _init_scale(trace: Trace, ctx: Context, finding: Finding) -> Recommendation 
         )
     else:
         evidence += [
-            f"{source}, {choice.current.total} values: {now_label}: {_fractions(choice.current)}",
+            f"{source}, {choice.current.total} non-zero values: {now_label}: "
+            f"{_fractions(choice.current)}",
             f"at 2^{choice.k}: {_fractions(choice.chosen)}; the largest gradient sits "
             f"{choice.headroom} binades below {fmt.name}'s max binade",
         ]

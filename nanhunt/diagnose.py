@@ -1399,6 +1399,9 @@ def exploding_gradient(trace: Trace, ctx: Context) -> Iterator[Finding]:
                         "finite, the gradients did not")
     # orders of magnitude is a problem even while the loss is finite and GradScaler skips
     severe = factor >= ORDERS if how == "spike" else data["total"] >= ORDERS
+    last = max((s.index for s in trace.steps), default=None)
+    if trace.partial and points[-1][0] == last:
+        severe = False  # the step a crash interrupted: its gradients may be half-reduced
     yield _finding(
         "error" if (f is not None and f.phase != "data") or (f is None and severe) else "warning",
         message,

@@ -181,6 +181,7 @@ class Recorder:
             acc.bwd_by_step[meta.step] = max(acc.bwd_by_step.get(meta.step, 0.0), float(row[5]))
         elif meta.role == "param_grad":
             acc.param_grad = _merge_rows(acc.param_grad, row)
+            acc.pgrad_dtypes.add(meta.dtype)
             # per step too: which module's gradients grow first (exploding gradients)
             acc.pgrad_by_step[meta.step] = max(acc.pgrad_by_step.get(meta.step, 0.0),
                                                float(row[5]))
@@ -259,16 +260,18 @@ class Recorder:
                             mutated=m.mutated)
 
     def layer_stats(self, acc: _LayerAcc) -> LayerStats:
-        def conv(row: np.ndarray | None) -> TensorStats | None:
+        def conv(row: np.ndarray | None, dtypes: set[str] | None = None) -> TensorStats | None:
             if row is None:
                 return None
-            return _stats.decode(row, "mixed" if len(acc.dtypes) > 1 else
-                                 next(iter(acc.dtypes), "float32"), [], self.format)
+            dtypes = acc.dtypes if dtypes is None else dtypes
+            return _stats.decode(row, "mixed" if len(dtypes) > 1 else
+                                 next(iter(dtypes), "float32"), [], self.format)
 
         return LayerStats(
             module=acc.module, type=acc.type, calls=acc.calls, dtypes=sorted(acc.dtypes),
             forward=conv(acc.forward), backward=conv(acc.backward),
-            param_grad=conv(acc.param_grad),
+            # the parameters' own dtype, not the outputs' (fp32 weights under fp16 autocast)
+            param_grad=conv(acc.param_grad, acc.pgrad_dtypes),
             forward_amax_by_step=dict(acc.fwd_by_step),
             backward_amax_by_step=dict(acc.bwd_by_step),
             param_amax_by_step=dict(acc.param_by_step),

@@ -92,6 +92,7 @@ class _LayerAcc:
     bwd_by_step: dict[int, float] = field(default_factory=dict)
     param_by_step: dict[int, float] = field(default_factory=dict)
     pgrad_by_step: dict[int, float] = field(default_factory=dict)  # as stored (scaled)
+    pgrad_dtypes: set[str] = field(default_factory=set)  # float32 master grads under autocast
 
 
 def _merge_rows(acc: np.ndarray | None, row: np.ndarray) -> np.ndarray:

@@ -285,7 +285,12 @@ def _failure(ff: Failure, fmt: NumberFormat) -> str:
     ]
     if not s.nonfinite:
         stats.append(("headroom", fmt_binades(fmt.headroom_binades(s.amax)) + " binades", ""))
-    stats.append(("underflow", fmt_pct(s.underflow_fraction), "warn" if s.underflow else ""))
+    # counted apart: exact zeros, subnormal values, values below the smallest subnormal
+    stats.append(("exact zeros", fmt_count(s.zero), ""))
+    stats.append(("subnormal", fmt_count(s.underflow - s.flushed),
+                  "warn" if s.underflow - s.flushed else ""))
+    if s.flushed:
+        stats.append(("would flush", fmt_count(s.flushed), "warn"))
     stat_html = "".join(
         f'<div class="stat {c}"><span class="stat-v">{esc(v)}</span>'
         f'<span class="stat-k">{esc(k)}</span></div>'
