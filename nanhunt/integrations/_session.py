@@ -132,17 +132,17 @@ class CallbackSession:
         self._framework = framework
         self.hunt = Hunt(
             model, optimizer, scaler,
-            target=chosen or "float16",
+            target=chosen or "auto",  # auto: what autocast or the parameters use
             keep_steps=self.keep_steps,
             allow_inf=self.allow_inf,
             sample_every=self.sample_every,
             stop_on_problem=False,  # the framework stops training, not an exception of ours
+            first_step=first_step,  # steps numbered like the framework's (a resumed run)
         )
         self._run = _run_info(torch.__version__, framework)
-        self._run.target_source = "option" if self.target else (
-            target_source if chosen else "default")
+        # empty: the session fills in where its automatic choice came from
+        self._run.target_source = "option" if self.target else (target_source if chosen else "")
         self._run.world_size = world_size
-        self._first_step = first_step
         self.hunt.start()
         self._paused = False
         self.pause()  # traced inside training steps only (not validation, logging, saving)
@@ -202,9 +202,6 @@ class CallbackSession:
         self.trace = trace
         if self._ctx.rank != 0:
             return trace
-        if self._first_step:
-            trace.notes.append(f"steps are counted from this run's start; the framework's "
-                               f"step numbers are {self._first_step} higher")
         self._summarise(trace)
         if self.tb_dir is not None:
             from ..report.tensorboard import export_tensorboard

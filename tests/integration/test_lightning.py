@@ -27,7 +27,7 @@ class Run:
         self.report = json.loads((out / "report.json").read_text())
         # global_step -> the losses training_step printed for it (LBFGS: one per closure call)
         self.printed: dict[int, list[float]] = {}
-        for batch, step, loss in _LINE.findall(stdout):
+        for _batch, step, loss in _LINE.findall(stdout):
             self.printed.setdefault(int(step), []).append(float(loss))
         self.batches = len(_LINE.findall(stdout))
         done = re.search(r"done global_step (\d+)", stdout)

@@ -81,7 +81,7 @@ def test_bert_names_the_embedding_input(run_callback):
     run = run_callback("--model", "bert")
     f = run.report["first_failure"]
     assert "inputs_embeds" in f["tensor"]
-    assert list(f["bad_samples"].values())[0] == [run.fetched.index(BAD_SAMPLE) % BATCH]
+    assert next(iter(f["bad_samples"].values())) == [run.fetched.index(BAD_SAMPLE) % BATCH]
 
 
 def test_gradient_accumulation_steps_match_global_step(run_callback):
@@ -96,7 +96,9 @@ def test_overflow_in_a_half_submodule(run_callback):
     run = run_callback("--fp16-head")
     rep = run.report
     assert run.failure[:3] == (0, "forward", "head")
+    # no autocast and no fp16=True: the target comes from the head's float16 parameters
     assert rep["run"]["target"] == "float16"
+    assert rep["run"]["target_source"] == "parameters"
     assert rep["diagnosis"]["kind"] == "overflow"
     assert rep["first_failure"]["stats"]["posinf"] + rep["first_failure"]["stats"]["neginf"] > 0
 

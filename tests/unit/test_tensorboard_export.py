@@ -10,11 +10,11 @@ from nanhunt.formats import get_format
 from nanhunt.trace import LayerStats, LayerStep, RunInfo, StepRecord, TensorStats, Trace
 
 pytest.importorskip("tensorboard")
-from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import (
     EventAccumulator,
 )
 
-from nanhunt.report.tensorboard import export_tensorboard  # noqa: E402
+from nanhunt.report.tensorboard import export_tensorboard
 
 
 def _stats(amax: float, hist: dict[int, int], zero: int = 0, nan: int = 0) -> TensorStats:
@@ -103,3 +103,34 @@ def test_unwritable_logdir_is_one_line(tmp_path):
     blocker.write_text("x")
     with pytest.raises(NanhuntError, match="cannot write TensorBoard events"):
         export_tensorboard(_trace(), blocker / "sub")
+
+
+def test_cli_report_tensorboard_matches_the_report(tmp_path):
+    """`nanhunt report OUT --tensorboard LOGDIR` on a real diagnose run (GradScaler, fp16)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "scale_collapse.py"
+    out, tb = tmp_path / "out", tmp_path / "tb"
+    subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--keep-going",
+                    "--out", str(out), str(example), "--steps", "4"],
+                   capture_output=True, text=True, timeout=300, check=False)
+    report = json.loads((out / "report.json").read_text())
+    proc = subprocess.run([sys.executable, "-m", "nanhunt", "report", str(out),
+                           "--tensorboard", str(tb)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "TensorBoard points" in proc.stderr
+    acc = EventAccumulator(str(tb), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    scale = {e.step: e.value for e in acc.Scalars("step/loss_scale")}
+    assert scale == {s["index"]: s["scale"] for s in report["steps"] if s["scale"] is not None}
+    skipped = {e.step: e.value for e in acc.Scalars("step/skipped")}
+    assert skipped == {s["index"]: float(s["skipped"]) for s in report["steps"]}
+    for layer in report["layers"]:
+        if layer["forward_amax_by_step"]:
+            got = {e.step: e.value for e in acc.Scalars(f"forward_amax/{layer['module']}")}
+            want = {int(k): v for k, v in layer["forward_amax_by_step"].items()}
+            assert got == pytest.approx(want)
