@@ -8,6 +8,7 @@ any framework import.
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import logging
 import platform
@@ -144,6 +145,9 @@ class CallbackSession:
         self._run.target_source = "option" if self.target else (target_source if chosen else "")
         self._run.world_size = world_size
         self.hunt.start()
+        # a run that raises out of a framework with no exception hook (the HF Trainer) still
+        # gets its report, at exit
+        atexit.register(self._at_exit)
         self._paused = False
         self.pause()  # traced inside training steps only (not validation, logging, saving)
 
@@ -169,7 +173,8 @@ class CallbackSession:
         if hunt is None:
             return False
         failed = hunt.first_failure is not None
-        if self._ctx is not None and self._ctx.distributed:
+        # keep-going runs never stop early, so their ranks stay in step without a vote
+        if self._ctx is not None and self._ctx.distributed and not self.keep_going:
             vote = _Vote(hunt.first_failure)
             self._ctx._vote(step if step is not None else hunt.step, vote)
             failed = failed or vote.stop
@@ -181,6 +186,7 @@ class CallbackSession:
         hunt = self.hunt
         if hunt is None:
             return self.trace
+        atexit.unregister(self._at_exit)
         self.hunt = None
         self.resume()
         hunt.stop()
@@ -212,6 +218,10 @@ class CallbackSession:
             except NanhuntError as exc:
                 _log.error("nanhunt: %s", exc)
         return trace
+
+    def _at_exit(self) -> None:
+        if self.hunt is not None:
+            self.finish("crashed", error="the process ended during training")
 
     def _summarise(self, trace: Any) -> None:
         from ..report import render_terminal

@@ -184,3 +184,39 @@ def test_cli_diagnose_lightning_script(cli_nan_batch):
     assert run.report["run"]["target_source"] == "autocast"
     assert [s["index"] for s in run.report["steps"]] == list(range(6))
     _losses_match(run)
+
+
+def test_an_exception_in_training_writes_a_crashed_report(tmp_path):
+    import lightning as L
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from nanhunt.integrations.lightning import NanhuntCallback
+
+    class Breaks(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                raise RuntimeError("broken batch")
+            x, y = batch
+            return nn.functional.mse_loss(self.fc(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = NanhuntCallback(out=tmp_path / "r", quiet=True)
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, callbacks=[cb],
+                        enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False)
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=4)
+    with pytest.raises(RuntimeError, match="broken batch"):
+        trainer.fit(Breaks(), data)
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert rep["run"]["status"] == "crashed"
+    assert "broken batch" in rep["run"]["error"]
+    assert [s["index"] for s in rep["steps"]][:2] == [0, 1]
+    assert rep["run"]["target_source"] == "default"  # 32-true: nothing in low precision

@@ -114,3 +114,48 @@ def test_cli_diagnose_hf_script(tmp_path):
     assert run.failure[:2] == (step, "data")
     assert run.report["run"]["target"] == "bfloat16"
     assert [s["index"] for s in run.report["steps"]] == list(range(step + 1))
+
+
+CRASH = """
+import sys
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainingArguments
+from nanhunt.integrations.transformers import NanhuntCallback
+
+class Samples(Dataset):
+    def __len__(self):
+        return 16
+    def __getitem__(self, i):
+        return {"x": torch.ones(4) * i, "labels": torch.zeros(1)}
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = nn.Linear(4, 1), 0
+    def forward(self, x, labels=None):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("data loader broke")
+        out = self.fc(x)
+        return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+args = TrainingArguments(output_dir=sys.argv[1] + "/hf", per_device_train_batch_size=4,
+                         use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+Trainer(model=Net(), args=args, train_dataset=Samples(),
+        callbacks=[NanhuntCallback(out=sys.argv[1] + "/report", quiet=True)]).train()
+"""
+
+
+def test_a_crash_inside_train_still_writes_the_report(tmp_path):
+    """The Trainer has no exception hook: the report is written when the process exits."""
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "RuntimeError: data loader broke" in proc.stderr  # the user's traceback, as ever
+    rep = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert rep["run"]["status"] == "crashed"
+    assert [s["index"] for s in rep["steps"]][:2] == [0, 1]

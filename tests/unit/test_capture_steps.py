@@ -59,15 +59,15 @@ def test_nan_in_an_earlier_micro_batch_is_the_steps_problem(arch):
     torch.manual_seed(0)
     if arch == "conv":
         model = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16, 1))
-        batch = (lambda: torch.randn(4, 2, 6))
+        shape = (4, 2, 6)
     else:
         model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
-        batch = (lambda: torch.randn(4, 6))
+        shape = (4, 6)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with nanhunt.watch(model, opt) as hunt:
         for step in range(3):
             for micro in range(2):
-                x = batch()
+                x = torch.randn(*shape)
                 if step == 1 and micro == 0:
                     x.view(-1)[5] = float("nan")  # the first of two micro-batches
                 (model(x).pow(2).mean() / 2).backward()
