@@ -195,9 +195,11 @@ def _problem_text(trace: Trace) -> str:
         return f"non-finite {ff.tensor} at step {ff.step}: origin not observed (step not traced)"
     if diag is not None and ff is not None and (diag.phase or diag.module):
         # the cause, not where the symptom surfaced: a collapse caused by a backward op is
-        # that op's, in backward
-        phase, step = diag.phase or ff.phase, ff.step
-        module, tensor = diag.module or ff.module, ff.tensor
+        # that op's, in backward; a misused GradScaler is the loop's line, not a module
+        phase = diag.phase or ff.phase
+        step = diag.step if diag.step is not None else ff.step
+        module = diag.module if diag.phase else diag.module or ff.module
+        tensor = diag.tensor if diag.phase and diag.phase != ff.phase else ff.tensor
     elif ff is not None:
         phase, step, module, tensor = ff.phase, ff.step, ff.module, ff.tensor
     elif diag is not None:
@@ -214,6 +216,8 @@ def _problem_text(trace: Trace) -> str:
         text += f", module {module}"
         if ff is not None and ff.op and diag is not None and diag.kind == "nan_op":
             text += f" ({ff.op.removesuffix('.default')})"
+    elif diag is not None and diag.data.get("source"):
+        text += f", at {diag.data['source']}"  # the user's line (loop misuse, a constant)
     elif tensor:
         text += f", tensor {tensor}"
     elif diag is not None and not ff:
