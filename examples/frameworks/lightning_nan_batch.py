@@ -13,12 +13,14 @@ calls its closure several times per step), ``--accumulate N`` (``accumulate_grad
 then the NaN batch 5 belongs to step 5 // N), ``--scaler`` (Lightning's MixedPrecision plugin
 with float16 autocast and its GradScaler, as ``16-mixed`` runs on a GPU), ``--validate`` (a
 validation loader: sanity check and a validation pass every 2 batches), ``--tensorboard DIR``
-(with ``--callback``: also write the TensorBoard export).
+(with ``--callback``: also write the TensorBoard export), ``--devices 2`` (DDP on CPU, gloo:
+each rank reads its own copy of the data in order, and only rank 1's has the NaN sample).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import lightning as L
 import torch
@@ -42,7 +44,8 @@ class Model(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self.body(x), y)
-        print(f"batch {batch_idx} global_step {self.trainer.global_step} loss {loss.item():.4f}")
+        print(f"batch {batch_idx} global_step {self.trainer.global_step} loss {loss.item():.4f} "
+              f"rank {self.global_rank}")
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -66,11 +69,15 @@ def main() -> None:
     p.add_argument("--callback", metavar="OUT")
     p.add_argument("--tensorboard", metavar="DIR")
     p.add_argument("--keep-going", action="store_true")
+    p.add_argument("--devices", type=int, default=1, help="DDP processes (gloo on CPU)")
     args = p.parse_args()
 
     torch.manual_seed(0)
     x, y = torch.randn(BATCH * BATCHES, 16), torch.randn(BATCH * BATCHES, 1)
-    x[BAD_BATCH * BATCH + BAD_SAMPLE, 2] = float("nan")
+    # under DDP each rank runs this script and reads its own copy in order; only rank 1's
+    # copy has the NaN sample
+    if args.devices == 1 or os.environ.get("LOCAL_RANK") == "1":
+        x[BAD_BATCH * BATCH + BAD_SAMPLE, 2] = float("nan")
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH)  # in order: batch i is rows i*8..
     val = DataLoader(TensorDataset(torch.randn(16, 16), torch.randn(16, 1)), batch_size=8)
     callbacks = []
@@ -86,11 +93,13 @@ def main() -> None:
 
         plugins, precision = [MixedPrecision("16-mixed", "cpu")], None
     trainer = L.Trainer(
-        max_epochs=1, accelerator="cpu", devices=1, precision=precision, plugins=plugins,
+        max_epochs=1, accelerator="cpu", devices=args.devices, precision=precision,
+        plugins=plugins, strategy="ddp" if args.devices > 1 else "auto",
         accumulate_grad_batches=args.accumulate, callbacks=callbacks, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=2 if args.validate else 0, val_check_interval=2 if args.validate
-        else None, num_sanity_val_steps=2 if args.validate else 0,
+        use_distributed_sampler=False, limit_val_batches=2 if args.validate else 0,
+        val_check_interval=2 if args.validate else None,
+        num_sanity_val_steps=2 if args.validate else 0,
     )
     trainer.fit(Model(args.arch, args.optimizer), loader, val if args.validate else None)
     print(f"done global_step {trainer.global_step} precision {trainer.precision}")

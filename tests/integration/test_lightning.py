@@ -220,3 +220,26 @@ def test_an_exception_in_training_writes_a_crashed_report(tmp_path):
     assert "broken batch" in rep["run"]["error"]
     assert [s["index"] for s in rep["steps"]][:2] == [0, 1]
     assert rep["run"]["target_source"] == "default"  # 32-true: nothing in low precision
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_rank_1_named_both_stop(tmp_path):
+    """Lightning DDP on CPU (gloo, 2 processes): only rank 1's data has the NaN sample."""
+    import subprocess
+
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, str(NAN_BATCH), "--devices", "2", "--callback",
+                           str(out)], capture_output=True, text=True, timeout=400,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = re.findall(r"batch (\d+) global_step (\d+) loss (\S+) rank (\d)", proc.stdout)
+    nan_rank = {int(r) for _, _, loss, r in lines if loss == "nan"}
+    assert nan_rank == {1}
+    # both ranks stopped after the same step (nanhunt's vote), through trainer.should_stop
+    assert proc.stdout.count("done global_step 6") == 2
+    rep = json.loads((out / "report.json").read_text())
+    f = rep["first_failure"]
+    assert (f["step"], f["phase"], f["rank"], f["module"]) == (5, "data", 1, "Model")
+    assert rep["run"]["world_size"] == 2
+    assert [(r["rank"], len(r["steps"])) for r in rep["ranks"]] == [(0, 6), (1, 6)]
+    assert (out / "ranks" / "rank-1.json").exists()
