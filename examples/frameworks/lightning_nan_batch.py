@@ -13,7 +13,10 @@ calls its closure several times per step), ``--accumulate N`` (``accumulate_grad
 then the NaN batch 5 belongs to step 5 // N), ``--scaler`` (Lightning's MixedPrecision plugin
 with float16 autocast and its GradScaler, as ``16-mixed`` runs on a GPU), ``--validate`` (a
 validation loader: sanity check and a validation pass every 2 batches), ``--tensorboard DIR``
-(with ``--callback``: also write the TensorBoard export), ``--devices 2`` (DDP on CPU, gloo:
+(with ``--callback``: also write the TensorBoard export), ``--fp16-head`` (``32-true`` with a
+``.half()`` conv head whose float16 output overflows at step 0: target float16, from the
+parameters),
+``--devices 2`` (DDP on CPU, gloo:
 each rank reads its own copy of the data in order, and only rank 1's has the NaN sample).
 """
 
@@ -31,26 +34,38 @@ BATCH, BAD_BATCH, BAD_SAMPLE, BATCHES = 8, 5, 3, 8
 
 
 class Model(L.LightningModule):
-    def __init__(self, arch: str, optimizer: str) -> None:
+    def __init__(self, arch: str, optimizer: str, fp16_head: bool = False) -> None:
         super().__init__()
         self.optimizer_name = optimizer
-        if arch == "cnn":
+        self.fp16_head = fp16_head
+        if fp16_head:  # a conv net whose last conv runs in float16 with oversized weights
+            self.body = nn.Sequential(nn.Unflatten(1, (1, 4, 4)), nn.Conv2d(1, 8, 3, padding=1),
+                                      nn.ReLU())
+            self.head = nn.Conv2d(8, 1, 4).half()
+            with torch.no_grad():
+                self.head.weight.fill_(3000.0)  # 128 positive inputs x 3000: past 65504
+        elif arch == "cnn":
             self.body = nn.Sequential(
                 nn.Unflatten(1, (1, 4, 4)), nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(),
                 nn.Flatten(), nn.Linear(64, 1))
         else:
             self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
 
+    def forward(self, x):
+        if self.fp16_head:
+            return self.head(self.body(x).half()).float().flatten(1)
+        return self.body(x)
+
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.mse_loss(self.body(x), y)
+        loss = nn.functional.mse_loss(self(x), y)
         print(f"batch {batch_idx} global_step {self.trainer.global_step} loss {loss.item():.4f} "
               f"rank {self.global_rank}")
         return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self.body(x), y)
+        return nn.functional.mse_loss(self(x), y)
 
     def configure_optimizers(self):
         if self.optimizer_name == "lbfgs":
@@ -69,6 +84,8 @@ def main() -> None:
     p.add_argument("--callback", metavar="OUT")
     p.add_argument("--tensorboard", metavar="DIR")
     p.add_argument("--keep-going", action="store_true")
+    p.add_argument("--fp16-head", action="store_true",
+                   help="32-true training with a .half() conv head that overflows at step 0")
     p.add_argument("--devices", type=int, default=1, help="DDP processes (gloo on CPU)")
     args = p.parse_args()
 
@@ -87,7 +104,7 @@ def main() -> None:
         callbacks.append(NanhuntCallback(out=args.callback, tensorboard=args.tensorboard or False,
                                          keep_going=args.keep_going))
     plugins = []
-    precision = args.precision
+    precision = "32-true" if args.fp16_head else args.precision
     if args.scaler:
         from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -101,7 +118,8 @@ def main() -> None:
         val_check_interval=2 if args.validate else None,
         num_sanity_val_steps=2 if args.validate else 0,
     )
-    trainer.fit(Model(args.arch, args.optimizer), loader, val if args.validate else None)
+    model = Model(args.arch, args.optimizer, args.fp16_head)
+    trainer.fit(model, loader, val if args.validate else None)
     print(f"done global_step {trainer.global_step} precision {trainer.precision}")
 
 

@@ -144,6 +144,18 @@ def test_manual_optimisation(run_callback, arch):
     assert run.final_global_step == 4
 
 
+def test_overflow_in_a_half_conv_head(run_callback):
+    """The sibling of the HF Trainer's .half() MLP head: a conv head under 32-true."""
+    run = run_callback(NAN_BATCH, "--fp16-head")
+    rep = run.report
+    assert run.failure == (0, "forward", "head", "output")
+    assert rep["first_failure"]["op"] == "aten.convolution"
+    assert (rep["run"]["target"], rep["run"]["target_source"]) == ("float16", "parameters")
+    assert rep["diagnosis"]["kind"] == "overflow"
+    assert math.isinf(run.printed[0][0])  # the script's own loss was inf
+    assert run.final_global_step == 1  # stopped after step 0
+
+
 def test_tensorboard_from_the_callback(run_callback, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
