@@ -84,6 +84,8 @@ def main() -> None:
     p.add_argument("--callback", metavar="OUT")
     p.add_argument("--tensorboard", metavar="DIR")
     p.add_argument("--keep-going", action="store_true")
+    p.add_argument("--sample-every", type=int, default=1,
+                   help="with --callback: the callback's sampled mode")
     p.add_argument("--fp16-head", action="store_true",
                    help="32-true training with a .half() conv head that overflows at step 0")
     p.add_argument("--devices", type=int, default=1, help="DDP processes (gloo on CPU)")
@@ -101,8 +103,10 @@ def main() -> None:
     if args.callback:
         from nanhunt.integrations.lightning import NanhuntCallback
 
+        mode = {"mode": "sampled", "sample_every": args.sample_every} \
+            if args.sample_every > 1 else {}
         callbacks.append(NanhuntCallback(out=args.callback, tensorboard=args.tensorboard or False,
-                                         keep_going=args.keep_going))
+                                         keep_going=args.keep_going, **mode))
     plugins = []
     precision = "32-true" if args.fp16_head else args.precision
     if args.scaler:

@@ -95,6 +95,17 @@ def test_keep_going_trains_to_the_end(run_callback):
     assert len(run.report["steps"]) == 8
 
 
+def test_sampled_mode_traces_every_fifth_step_fully(run_callback):
+    run = run_callback(NAN_BATCH, "--sample-every", "5")
+    steps = run.report["steps"]
+    assert [s["index"] for s in steps] == list(range(6))
+    _losses_match(run)  # the cheap check keeps every step's loss
+    # between sampled steps: the loss and the 4 updated parameters (2 Linear x weight, bias)
+    assert [s["records"] for s in steps[1:5]] == [1 + 4] * 4
+    assert steps[0]["records"] > 5 and steps[5]["records"] > 5  # module rows too
+    assert run.failure[:2] == (5, "data")  # step 5 is a sampled one: the origin is exact
+
+
 def test_lbfgs_closure_called_three_times_is_one_step(run_callback):
     run = run_callback(NAN_BATCH, "--optimizer", "lbfgs")
     assert all(len(v) == 3 for v in run.printed.values())  # max_iter=3 closure calls a step
