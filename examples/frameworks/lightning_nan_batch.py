@@ -59,7 +59,7 @@ class Model(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self(x), y)
-        print(f"batch {batch_idx} global_step {self.trainer.global_step} loss {loss.item():.4f} "
+        print(f"batch {batch_idx} global_step {self.trainer.global_step} loss {loss.item()!r} "
               f"rank {self.global_rank}")
         return loss
 

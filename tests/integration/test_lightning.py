@@ -106,6 +106,24 @@ def test_sampled_mode_traces_every_fifth_step_fully(run_callback):
     assert run.failure[:2] == (5, "data")  # step 5 is a sampled one: the origin is exact
 
 
+@pytest.mark.parametrize("extra", [[], ["--optimizer", "lbfgs"]], ids=["sgd", "lbfgs"])
+def test_training_is_bit_identical_with_the_callback(tmp_path, capsys, extra):
+    """Every loss the script prints (repr: every bit of the float) is the same with and
+    without the callback."""
+    saved = sys.argv[:]
+    outputs = []
+    for with_callback in (False, True):
+        sys.argv = [str(NAN_BATCH), "--keep-going", *extra]
+        if with_callback:
+            sys.argv += ["--callback", str(tmp_path / "r")]
+        try:
+            runpy.run_path(str(NAN_BATCH), run_name="__main__")
+        finally:
+            sys.argv = saved
+        outputs.append(_LINE.findall(capsys.readouterr().out))
+    assert outputs[0] == outputs[1] and len(outputs[0]) >= 8
+
+
 def test_lbfgs_closure_called_three_times_is_one_step(run_callback):
     run = run_callback(NAN_BATCH, "--optimizer", "lbfgs")
     assert all(len(v) == 3 for v in run.printed.values())  # max_iter=3 closure calls a step
