@@ -28,6 +28,7 @@ from .trace import Crash, Failure, Finding, InputRange, OpRecord, Trace
 __all__ = [
     "SCALER_ERRORS",
     "RangeConstant",
+    "dtype_expr",
     "find_constants",
     "finfo_fix",
     "rounded",
@@ -216,12 +217,12 @@ def finfo_fix(line: str, constant: RangeConstant, fmt: NumberFormat) -> str:
     's = s.masked_fill(m, torch.finfo(s.dtype).min)'
     """
     text = line.strip()
-    dtype = _dtype_expr(text, constant) or f"torch.{fmt.name}"
+    dtype = dtype_expr(text, constant) or f"torch.{fmt.name}"
     bound = "min" if constant.value < 0 else "max"
     return text.replace(constant.text, f"torch.finfo({dtype}).{bound}", 1)
 
 
-def _dtype_expr(line: str, constant: RangeConstant) -> str | None:
+def dtype_expr(line: str, constant: RangeConstant) -> str | None:
     try:
         tree = ast.parse(line)
     except SyntaxError:
@@ -257,10 +258,15 @@ def range_constant(trace: Trace, ctx: Context) -> Iterator[Finding]:
         fmt = ctx.fmt
     constants = find_constants(crash.source_line or "", fmt)
     where = f" in {crash.module}" if crash.module else ""
+    named = {k: v for k, v in crash.values.items() if math.isfinite(v) and abs(v) > fmt.max}
     if constants:
         c = constants[0]
         what = f"the constant {c.text}"
         data_constant: float | None = c.value
+    elif named:
+        key, data_constant = next(iter(named.items()))
+        what = f"the constant {key} = {data_constant:g}"
+        constants = [RangeConstant(data_constant, key)]
     else:
         what, data_constant = f"a constant beyond {fmt.name}'s range", None
     evidence = [
@@ -281,8 +287,8 @@ def range_constant(trace: Trace, ctx: Context) -> Iterator[Finding]:
         phase="forward" if crash.module else "data",
         step=crash.step,
         module=crash.module,
-        data={"constant": data_constant, "dtype": fmt.name, "source": crash.source,
-              "source_line": crash.source_line},
+        data={"constant": data_constant, "text": constants[0].text if constants else None,
+              "dtype": fmt.name, "source": crash.source, "source_line": crash.source_line},
     )
 
 
@@ -377,7 +383,8 @@ def norm_eps(trace: Trace, ctx: Context) -> Iterator[Finding]:
 
 def _parametrised(layer_name: str, ctx: Context) -> bool:
     layer = ctx.layer(layer_name)
-    return layer is not None and (bool(layer.param_amax_by_step) or layer.param_grad is not None)
+    return layer is not None and (layer.params > 0 or bool(layer.param_amax_by_step)
+                                  or layer.param_grad is not None)
 
 
 def _first_layer(ctx: Context, f: Failure) -> bool:

@@ -167,6 +167,7 @@ class LayerStats:
     forward_amax_by_step: dict[int, float] = field(default_factory=dict)
     backward_amax_by_step: dict[int, float] = field(default_factory=dict)
     param_amax_by_step: dict[int, float] = field(default_factory=dict)  # after each update
+    params: int = 0  # elements of its own parameters (not its children's)
 
 
 @dataclass
@@ -298,6 +299,8 @@ class Crash:
     source_line: str | None = None
     module: str | None = None  # the module whose forward was running, by qualified name
     step: int | None = None
+    # numbers the raising line names through variables (``fill = 1e5; torch.full(s, fill)``)
+    values: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

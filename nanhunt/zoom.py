@@ -24,6 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .capture import Snapshot, map_tensors, tensor_leaves
+from .capture.state import OptimizerSnapshot
 from .errors import NanhuntError
 from .formats import get_format
 from .trace import InputRange, OpRecord, Trace
@@ -33,10 +34,12 @@ __all__ = [
     "load_snapshot",
     "print_replay",
     "replay",
+    "replay_optimizer",
     "save_snapshot",
     "verify",
     "why_not_verified",
     "zoom_into",
+    "zoom_optimizer",
 ]
 
 _SNAPSHOT_FORMAT = "nanhunt-snapshot"
@@ -336,6 +339,72 @@ def input_ranges(snap: Snapshot, limit: int = 8) -> list[InputRange]:
         if len(out) >= limit:
             break
     return out
+
+
+_OPTIM_DIR = str(Path(torch.optim.__file__).resolve().parent)
+
+
+def _optimizer_source() -> str | None:
+    """The line of torch's optimizer code running the op: ``adam.py:423  denom = ...``."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        fname = frame.f_code.co_filename
+        if fname.startswith(_OUR_DIR):
+            return None
+        if fname.startswith(_OPTIM_DIR) and not fname.endswith(("optimizer.py", "_functional.py")):
+            text = linecache.getline(fname, frame.f_lineno).strip()
+            return f"torch/optim/{Path(fname).name}:{frame.f_lineno}  {text}"
+        frame = frame.f_back
+    return None
+
+
+class _OptimizerOpRecorder(_OpRecorder):
+    """The op recorder for an optimizer step: the source is torch's optimizer line."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        n = len(self.ops)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if len(self.ops) > n:
+            rec = self.ops[-1]
+            rec.phase = "optimizer"
+            rec.source = _optimizer_source()
+        return out
+
+
+def replay_optimizer(snap: OptimizerSnapshot) -> ReplayResult:
+    """Run the copied optimizer's step on copies of its parameters under the op recorder."""
+    result = ReplayResult()
+    optimizer = copy.deepcopy(snap.optimizer)
+    recorder = _OptimizerOpRecorder()
+    try:
+        with recorder:
+            optimizer.step()
+    except Exception as exc:  # report, do not crash
+        result.error = f"{type(exc).__name__}: {exc}"
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    result.outputs_finite = all(bool(torch.isfinite(p).all()) for p in params)
+    result.ops, result.first, result.dropped_ops = recorder.ops, recorder.first, recorder.dropped
+    return result
+
+
+def zoom_optimizer(trace: Trace, snap: OptimizerSnapshot) -> None:
+    """Name the first aten op of the failing optimizer step that made a non-finite value."""
+    f = trace.first_failure
+    if f is None or f.phase != "optimizer" or f.step != snap.step:
+        return
+    result = replay_optimizer(snap)
+    if result.error:
+        trace.notes.append(f"replaying {snap.type}.step() raised {result.error}")
+    if result.first is None:
+        trace.notes.append(
+            f"replaying {snap.type}.step() on copies of its parameters, gradients and state "
+            "gave finite parameters: the failure did not reproduce")
+        return
+    trace.ops = result.ops
+    f.op = result.first.op
+    src = result.first.source
+    if src:
+        f.source, _, f.source_line = src.partition("  ")
 
 
 def _matches(rec_module: str | None, name: str) -> bool:
