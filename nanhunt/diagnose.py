@@ -849,7 +849,9 @@ def _classify_optimizer(ctx: Context) -> _Class:
     if opt is not None and opt.lr and pg is not None and _finite_pos(pg.amax):
         big_update = opt.lr * pg.amax > fmt.max
     if opt is not None:
-        data.update(optimizer=opt.type, eps=opt.eps, lr=opt.lr)
+        data.update(optimizer=opt.type, lr=opt.lr)
+        if opt.eps is not None:
+            data["eps"] = opt.eps
     if op is not None:
         data["op"] = op_name
         where = f" at {op.source}" if op.source else ""
@@ -866,7 +868,6 @@ def _classify_optimizer(ctx: Context) -> _Class:
         eps = opt.eps if opt is not None and opt.eps is not None else _ADAM_EPS
         who = f"{opt.type}'s eps={eps:g}" if opt is not None and opt.eps is not None else \
             f"an optimizer eps such as Adam's default eps={eps:g}"
-        data["eps"] = eps
         evidence.append(
             f"{who} is {eps_in_format(eps, fmt)} in {fmt.name}, the parameters' format "
             f"(smallest subnormal {fmt.smallest_subnormal:.3g}; torch.tensor({eps:g}, "
@@ -878,8 +879,11 @@ def _classify_optimizer(ctx: Context) -> _Class:
                 f"{_pct(pg.underflow_fraction)} of {f.module}'s parameter gradients were below "
                 f"{fmt.name}'s smallest normal ({fmt.smallest_normal:.3g})"
             )
-        if op is not None and op.scalars:
-            evidence.append(f"the replayed op's constants: {', '.join(_n(x) for x in op.scalars)}")
+        v = _causes.vanished_eps(ctx.trace.ops, "optimizer")
+        if v is not None and v.add.zeros:
+            evidence.append(
+                f"in the replay, adding eps={v.eps:g} ({v.add.source or 'the optimizer'}) left "
+                f"{v.add.zeros} of {v.add.numel} denominator values exactly 0")
     else:
         name = "lr"
     return _Class(name, fmt, evidence, data)
