@@ -20,7 +20,15 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .diagnose import Context, _finding, _forward_class, eps_in_format, is_norm_type, rule
+from .diagnose import (
+    Context,
+    _finding,
+    _forward_class,
+    _short_source,
+    eps_in_format,
+    is_norm_type,
+    rule,
+)
 from .errors import NanhuntError
 from .formats import FORMATS, NumberFormat, get_format
 from .trace import Crash, Failure, Finding, InputRange, OpRecord, Trace
@@ -104,17 +112,11 @@ def scaler_error(message: str) -> tuple[str, str, str] | None:
 
 
 def _at(crash: Crash) -> str:
+    """`` at train.py:57 (`scaler.step(optimizer)`)``; the evidence has the full path."""
     if not crash.source:
         return ""
-    text = f" at {_short(crash.source)}"
+    text = f" at {_short_source(crash.source)}"
     return text + (f" (`{crash.source_line}`)" if crash.source_line else "")
-
-
-def _short(source: str) -> str:
-    """``/long/path/train.py:57`` -> ``train.py:57``: the report shows the full path too."""
-    path, _, line = source.rpartition(":")
-    name = path.replace("\\", "/").rsplit("/", 1)[-1]
-    return f"{name}:{line}" if path else source
 
 
 @rule(id="scaler-crash", kind="loss_scale")

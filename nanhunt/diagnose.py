@@ -1798,4 +1798,4 @@ def diagnose(trace: Trace, *, strict: bool = False, thresholds: Thresholds | Non
 
 # rules for the training loop, crashes, vanished eps and unnormalised input live beside this
 # module; importing it registers them (at the end: it imports the helpers above)
-from . import causes as _causes  # noqa: E402, F401
+from . import causes as _causes  # noqa: E402

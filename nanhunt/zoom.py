@@ -93,7 +93,8 @@ def _node_source() -> tuple[str | None, str | None]:
         line = line.strip()
         if line.startswith('File "'):
             fname = line.split('"')[1]
-            if not (fname.startswith(_TORCH_DIR) or fname.startswith(_OUR_DIR)):
+            if not (fname.startswith(_TORCH_DIR) or fname.startswith(_OUR_DIR)
+                    or fname.startswith("<")):  # (<frozen runpy>: the interpreter's own)
                 try:
                     lineno = int(line.split("line ")[1].split(",")[0])
                 except (IndexError, ValueError):
