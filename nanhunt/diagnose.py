@@ -1970,8 +1970,10 @@ def skip_streak(trace: Trace, ctx: Context) -> Iterator[Finding]:
     if len(later) >= ctx.th.backoffs:
         harm.append(f"{len(later)} skips after the scale calibrated, not explained by a "
                     "growth attempt")
-    if share >= SKIP_SHARE and len(skipped) >= 5:
-        harm.append(f"{_pct(share)} of the run's steps were skipped")
+    if share >= SKIP_SHARE and len(skipped) >= 5 and len(skipped) - calib >= 2:
+        # (calibration alone is normal however short the run: skips must go on after it)
+        harm.append(f"{_pct(share)} of the run's steps were skipped, "
+                    f"{len(skipped) - calib} of them after the scale calibrated")
     data = {"skipped": len(skipped), "steps": len(steps), "calibration": calib,
             "scheduler_steps": [s.index for s in sched], "after_calibration": len(later),
             "share": share, "summed_loss": summed, "init_k": init_k}
