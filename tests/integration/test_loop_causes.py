@@ -32,6 +32,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 RUNS = {
     "outside_mlp": ["scaler_step_outside_mlp.py"],
     "outside_cnn": ["scaler_step_outside_cnn.py"],
+    "double_mlp": ["scaler_step_outside_mlp.py", "--double", "--steps", "2"],
     "clip_gru": ["scaler_clip_before_unscale_gru.py", "--steps", "2"],
     "clip_mlp": ["scaler_clip_before_unscale_mlp.py", "--steps", "2"],
     "adam_transformer": ["adam_eps_half_transformer.py"],
@@ -162,6 +163,22 @@ def test_optimizer_step_outside_scaler_step(runs, plain, key, script):
     # honest timeline: step 0's inf gradients were applied, so it was not a skipped step
     assert r.report["steps"][0]["skipped"] is False
     assert r.report["loop_calls"][0]["found_inf"] is True
+
+
+def test_optimizer_stepped_again_after_scaler_step(runs):
+    r = runs["double_mlp"]
+    assert r.code == 1
+    d = r.diagnosis
+    assert (d["rule"], d["kind"], d["data"]["misuse"]) == ("scaler-misuse", "loss_scale",
+                                                           "optimizer_stepped_twice")
+    script = "scaler_step_outside_mlp.py"
+    lines = (SCRIPTS / script).read_text().splitlines()
+    # the optimizer.step() right after scaler.step(optimizer) in the --double branch
+    line = next(i for i in range(1, len(lines)) if lines[i - 1].strip() == "scaler.step("
+                "optimizer)" and lines[i].strip() == "optimizer.step()") + 1
+    assert d["data"]["source"].endswith(f"{script}:{line}")
+    assert "remove the optimizer.step() call" in d["message"]
+    assert "learning rate" not in json.dumps([d, r.report["warnings"]]).lower()
 
 
 @pytest.mark.parametrize(("key", "script", "call"), [
