@@ -306,6 +306,9 @@ def cmd_report(argv: Sequence[str]) -> int:
     p.add_argument("report", help="path to report.json")
     p.add_argument("--html", metavar="OUT", help="also write a self-contained HTML page")
     p.add_argument("--all", action="store_true", dest="show_all", help="show every module")
+    p.add_argument("--tensorboard", metavar="LOGDIR",
+                   help="also write the per-step series as TensorBoard events into LOGDIR "
+                   "(needs nanhunt[tensorboard])")
     opts = p.parse_args(list(argv))
     from .report import render_html, render_terminal
     from .report.files import atomic_write_text
@@ -325,6 +328,11 @@ def cmd_report(argv: Sequence[str]) -> int:
     if opts.html:
         atomic_write_text(Path(opts.html), render_html(trace))
         print(f"nanhunt: wrote {opts.html}", file=sys.stderr)
+    if opts.tensorboard:
+        from .report.tensorboard import export_tensorboard
+
+        n = export_tensorboard(trace, opts.tensorboard)
+        print(f"nanhunt: wrote {n} TensorBoard points to {opts.tensorboard}", file=sys.stderr)
     return EXIT_OK
 
 

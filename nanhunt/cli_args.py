@@ -66,8 +66,9 @@ def diagnose_parser() -> argparse.ArgumentParser:
                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--out", default="nanhunt-report", metavar="DIR",
                    help="folder for report.json, report.html, report.txt (default: %(default)s)")
-    p.add_argument("--target", default="float16", choices=sorted(FORMATS),
-                   help="format to judge ranges against (default: %(default)s)")
+    p.add_argument("--target", default=None, choices=sorted(FORMATS),
+                   help="format to judge ranges against (default: the low-precision format "
+                   "autocast or the parameters use, float16 when the run has none)")
     p.add_argument("--keep-going", action="store_true",
                    help="let the script run on after the first failure")
     p.add_argument("--max-steps", type=int, metavar="N", help="stop the script after N steps")

@@ -46,6 +46,12 @@ class Naming:
         if all(ref() is not root for ref, _ in self.roots):
             self.roots.append((weakref.ref(root), label))
         inner = _unwrap(root)
+        if inner is not root and self._primary_root is not None \
+                and self._primary_root() is inner and inner in self.names:
+            # DDP around the model the session was given (a framework wraps it after the
+            # session started): the wrapper takes the model's name, its modules keep theirs
+            self.names[root] = self.names[inner]
+            return
         if inner is not root:  # DDP & co: name the user's modules as in their own model
             self.names[root] = label
             self.types[label] = type(root).__name__
