@@ -86,6 +86,7 @@ def main() -> None:
     p.add_argument("--keep-going", action="store_true")
     p.add_argument("--sample-every", type=int, default=1,
                    help="with --callback: the callback's sampled mode")
+    p.add_argument("--sentinel", action="store_true", help="with --callback: sentinel mode")
     p.add_argument("--fp16-head", action="store_true",
                    help="32-true training with a .half() conv head that overflows at step 0")
     p.add_argument("--devices", type=int, default=1, help="DDP processes (gloo on CPU)")
@@ -104,7 +105,7 @@ def main() -> None:
         from nanhunt.integrations.lightning import NanhuntCallback
 
         mode = {"mode": "sampled", "sample_every": args.sample_every} \
-            if args.sample_every > 1 else {}
+            if args.sample_every > 1 else {"mode": "sentinel"} if args.sentinel else {}
         callbacks.append(NanhuntCallback(out=args.callback, tensorboard=args.tensorboard or False,
                                          keep_going=args.keep_going, **mode))
     plugins = []

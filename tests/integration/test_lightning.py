@@ -124,6 +124,22 @@ def test_training_is_bit_identical_with_the_callback(tmp_path, capsys, extra):
     assert outputs[0] == outputs[1] and len(outputs[0]) >= 8
 
 
+def test_sentinel_mode_finds_the_batch_from_its_replay(run_callback):
+    import nanhunt.capture as cap
+
+    if not hasattr(cap, "Sentinel"):
+        pytest.skip("this nanhunt has no sentinel mode yet")
+    run = run_callback(NAN_BATCH, "--sentinel")
+    rep = run.report
+    assert rep["run"]["mode"] == "sentinel"
+    assert run.failure[:2] == (5, "data")
+    assert rep["first_failure"]["bad_samples"] == {"input[0]": [3]}
+    assert rep["run"]["target"] == "bfloat16"
+    assert [s["index"] for s in rep["steps"]] == list(range(6))
+    _losses_match(run)
+    assert run.final_global_step == 6
+
+
 def test_lbfgs_closure_called_three_times_is_one_step(run_callback):
     run = run_callback(NAN_BATCH, "--optimizer", "lbfgs")
     assert all(len(v) == 3 for v in run.printed.values())  # max_iter=3 closure calls a step
