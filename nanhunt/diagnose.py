@@ -1976,7 +1976,11 @@ def skip_streak(trace: Trace, ctx: Context) -> Iterator[Finding]:
     if len(later) >= ctx.th.backoffs:
         harm.append(f"{len(later)} skips after the scale calibrated, not explained by a "
                     "growth attempt")
-    if share >= SKIP_SHARE and len(skipped) >= 5 and len(skipped) - calib >= 2:
+    if calib == len(steps) and calib >= 5:
+        harm.append(f"every one of the {calib} steps was skipped: no update was applied (the "
+                    f"scale fell from {steps[0].scale:g} to {steps[-1].scale:g} and the gradients "
+                    "still overflowed)")
+    elif share >= SKIP_SHARE and len(skipped) >= 5 and len(skipped) - calib >= 2:
         # (calibration alone is normal however short the run: skips must go on after it)
         harm.append(f"{_pct(share)} of the run's steps were skipped, "
                     f"{len(skipped) - calib} of them after the scale calibrated")
