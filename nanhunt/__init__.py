@@ -12,5 +12,6 @@ from ._version import __version__
 from .capture import Hunt, watch
 from .errors import NanhuntError
 from .formats import FORMATS, get_format
+from .precision import audit
 
-__all__ = ["FORMATS", "Hunt", "NanhuntError", "__version__", "get_format", "watch"]
+__all__ = ["FORMATS", "Hunt", "NanhuntError", "__version__", "audit", "get_format", "watch"]

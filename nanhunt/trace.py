@@ -317,7 +317,7 @@ class PrecisionAudit:
     layers: list[PrecisionLayer] = field(default_factory=list)  # execution order
     loss: PrecisionLoss | None = None  # the last audited step
     loss_by_step: list[PrecisionLoss] = field(default_factory=list)
-    nominal_sqnr_db: float | None = None  # SQNR of rounding alone: 6.02 * mantissa bits + 10.8
+    nominal_sqnr_db: float | None = None  # SQNR of rounding alone: 6.02 * mantissa bits + 13.8
     threshold_db: float | None = None  # layers with sqnr_db below this stand out
     reproduced: bool | None = None  # measured mode: the replay's loss equals the run's
     notes: list[str] = field(default_factory=list)

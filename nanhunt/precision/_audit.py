@@ -66,7 +66,8 @@ class Auditor:
         self.states: list[_TargetState] = []
         self.steps = 0
         self.notes: list[str] = []
-        self._last: tuple[list[Entry], torch.Tensor, torch.Tensor | None, Any] | None = None
+        # every audited step's tape entries and loss, for checking advice on all their batches
+        self.kept: list[tuple[list[Entry], torch.Tensor]] = []
         self._b_loss: float | None = None
         self._scaled: dict[int, torch.Tensor] = {}  # id(scaled loss) -> the loss
         self.device = ""
@@ -168,7 +169,7 @@ class Auditor:
                     state.reproduced = same if state.reproduced is None else (
                         state.reproduced and same)
                 state.seconds += time.perf_counter() - t0
-        self._last = (entries, tensor, gradient, loss)
+        self.kept.append((entries, loss))
         return True
 
     def _params(self, plan: Plan | None, root: nn.Module) -> dict[str, torch.Tensor]:
@@ -267,16 +268,24 @@ class Auditor:
 
     # -- results -------------------------------------------------------------------------
 
-    def fixed_loss_error(self, state: _TargetState, modules: list[str]) -> float | None:
-        """The last step's end-to-end loss error with ``modules`` run in float32."""
-        if self._last is None or state.plan is None:
-            return None
-        entries, _tensor, _grad, loss = self._last
+    def fixed_loss_error(self, state: _TargetState,
+                         modules: list[str]) -> tuple[float | None, float | None]:
+        """Mean relative loss error over the audited batches, without and with ``modules`` in
+        float32; every replay uses the current weights, so both sides compare alike."""
+        if not self.kept or state.plan is None:
+            return None, None
         plan = Plan(**{**state.plan.__dict__, "fix": tuple(modules)})
+        before, after = [], []
         with torch.random.fork_rng(devices=self.devices), torch.no_grad():
-            _b, env_b = self._replay(entries, None)
-            _a, env_a = self._replay(entries, plan)
-        return PrecisionLoss(0, _scalar(env_a.get(id(loss))), _scalar(env_b.get(id(loss)))).error
+            for entries, loss in self.kept:
+                ref = _scalar(self._replay(entries, None)[1].get(id(loss)))
+                for fixed, out in ((state.plan, before), (plan, after)):
+                    got = _scalar(self._replay(entries, fixed)[1].get(id(loss)))
+                    err = PrecisionLoss(0, got, ref).error
+                    if err is not None:
+                        out.append(err)
+        mean = (lambda xs: sum(xs) / len(xs) if xs else None)
+        return mean(before), mean(after)
 
     def result(self) -> PrecisionAudit | None:
         """The audit of every target (the first one holds the others in ``compare``)."""

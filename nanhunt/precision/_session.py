@@ -226,7 +226,7 @@ class AuditSession:
         finally:
             self._end()
         self.auditor.tape.clear()
-        self.auditor._last = None
+        self.auditor.kept.clear()
 
     def _advise(self) -> None:
         assert self.audit is not None

@@ -141,10 +141,11 @@ class Tape:
         tape (the batch, targets, the scaler's scale).
         """
         env: dict[int, Any] = {}
+        originals: dict[int, torch.Tensor] = {}  # identity, not just id: ids are reused
 
         def sub(t: Any) -> Any:
             if isinstance(t, torch.Tensor):
-                if id(t) in env and self._tracked.get(id(t)) is t:
+                if id(t) in env and originals.get(id(t)) is t:
                     return env[id(t)]
                 return inputs(t)
             return t
@@ -165,6 +166,7 @@ class Tape:
                 made_new += _tensors(args[0])
             for old, new in zip(made_old, made_new, strict=False):
                 env[id(old)] = new
+                originals[id(old)] = old
         return env
 
 

@@ -1,7 +1,8 @@
 """Ranking the audited layers and advising float32 for the ones that stand out (torch-free).
 
 A layer's ``sqnr_db`` is compared with two levels: the SQNR that rounding alone gives in the
-format (``nominal_sqnr_db``: 6.02 dB per mantissa bit + 10.8 dB for uniform rounding error) and
+format (``nominal_sqnr_db``: 6.02 dB per mantissa bit + 13.8 dB, round-to-nearest error spread
+evenly over one unit in the last place, values spread evenly across their binade) and
 the median of the audited layers. A layer *stands out* when it is :data:`STANDOUT_DB` below the
 lower of the two: its noise power is over 100 times the typical layer's. Containers whose loss
 one of their children already shows (within :data:`EXPLAINED_DB`) are not ranked: the child is
@@ -42,8 +43,9 @@ __all__ = [
 
 #: a layer stands out when its SQNR is this far below the typical layer's (100x noise power)
 STANDOUT_DB = 20.0
-#: a container is explained by a child whose SQNR is within this of its own (or worse)
-EXPLAINED_DB = 3.0
+#: a container is explained by a child whose SQNR is within this of its own (or worse): the
+#: layers after the child amplify its error, so the container may lose somewhat more
+EXPLAINED_DB = 10.0
 #: advice counts as checked when the end-to-end loss error at least halves with the fix
 VERIFY_FACTOR = 0.5
 
@@ -62,12 +64,13 @@ def sqnr_db(signal: float, noise: float) -> float | None:
 
 
 def nominal_sqnr_db(fmt: NumberFormat) -> float:
-    """SQNR of round-to-nearest alone: relative error uniform over one unit in the last place.
+    """SQNR of round-to-nearest alone: the error is uniform over one ulp (variance ulp^2/12)
+    and ulp/|x| averages 2^-m / sqrt(2) in mean square over a binade, so 10 log10(24 * 4^m).
 
     >>> round(nominal_sqnr_db(get_format("float16")), 1)
-    71.0
+    74.0
     """
-    return 10.0 * math.log10(12.0) + 20.0 * fmt.mantissa_bits * math.log10(2.0)
+    return 10.0 * math.log10(24.0) + 20.0 * fmt.mantissa_bits * math.log10(2.0)
 
 
 def _finite(x: float | None) -> bool:
@@ -203,10 +206,13 @@ def fp32_groups(audit: PrecisionAudit) -> list[tuple[str, list[str]]]:
     return result
 
 
-def recommend(audit: PrecisionAudit, check: Callable[[list[str]], float | None],
+def recommend(audit: PrecisionAudit,
+              check: Callable[[list[str]], tuple[float | None, float | None]],
               *, half_model: str | None = None) -> Recommendation | None:
-    """One ``fp32_module`` recommendation for the standouts, checked with ``check(modules)``
-    (the end-to-end loss error with those modules in float32), or None when none stands out."""
+    """One ``fp32_module`` recommendation for the standouts, or None when none stands out.
+
+    ``check(modules)`` gives the mean relative loss error against float32 over the audited
+    batches, without and with those modules in float32."""
     groups = fp32_groups(audit)
     if not groups:
         return None
@@ -228,26 +234,25 @@ def recommend(audit: PrecisionAudit, check: Callable[[list[str]], float | None],
     evidence += worst.reasons[:3]
     cast = f", cast_to=torch.{half_model}" if half_model else ""
     calls = [f"run_in_float32(model, {json.dumps(p)}{cast})" for p, _ in groups]
-    before = audit.loss.error if audit.loss is not None else None
-    after = check(modules)
+    before, after = check(modules)
     rec = Recommendation(
         type="fp32_module", value=[p for p, _ in groups], module=groups[0][0],
         snippet=_FP32_HELPER + "\n" + "\n".join(calls), evidence=evidence,
         data={"modules": modules, "region": [p for p, _ in groups],
               "cast_to": half_model, "source": "audit", "target": fmt.name,
               "loss_error_before": before, "loss_error_after": after})
-    step = audit.loss.step if audit.loss is not None else audit.steps
-    what = (f"re-ran audited step {step} (same batch and weights) with "
-            f"{', '.join(p for p, _ in groups)} in float32")
+    what = (f"re-ran the {audit.steps} audited batch{'es' if audit.steps != 1 else ''} with "
+            f"{', '.join(p for p, _ in groups)} in float32 (weights of the last audited step)")
     if before is None or after is None:
         rec.verification = f"not checked: {what} gave no loss to compare"
     elif after <= before * VERIFY_FACTOR:
         rec.verified = True
-        rec.verification = (f"checked: {what}: the loss's relative error against float32 went "
-                            f"from {before:.3g} to {after:.3g}; training beyond this batch was "
-                            "not re-run")
+        rec.verification = (f"checked: {what}: the loss's mean relative error against float32 "
+                            f"went from {before:.3g} to {after:.3g}; longer training was not "
+                            "re-run")
     else:
-        rec.verification = (f"did not help enough: {what}: the loss's relative error went from "
+        rec.verification = (f"did not help enough: {what}: the loss's mean relative error went "
+                            "from "
                             f"{before:.3g} to {after:.3g} (needs at most "
                             f"{VERIFY_FACTOR:g}x)")
     return rec
