@@ -4,8 +4,9 @@ A one-block transformer with a linear-attention token mixer in its recurrent for
 S_t = S_{t-1} + phi(k_t) v_t^T and the normaliser z_t = z_{t-1} + phi(k_t) are summed one
 position at a time, under torch.autocast("cpu", float16) + GradScaler. The normaliser carries
 the count of earlier segments (4096 tokens, Transformer-XL style): it is 2^12 times an addend
-from the first token on, and float16 (11 significant bits) rounds the addends away (swamping). Nothing is non-finite; `nanhunt audit` should rank `block.mixer`
-first and advise float32 for it.
+from the first token on, and float16 (11 significant bits) rounds the addends away
+(swamping). Nothing is non-finite; `nanhunt audit` should rank `block.mixer` first and advise
+float32 for it.
 Modules: "" (Net), "embed", "block" (Block), "block.q", "block.k", "block.v",
 "block.mixer" (RecurrentLinearAttention), "block.norm", "head".
 """

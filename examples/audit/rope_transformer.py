@@ -36,6 +36,7 @@ class Block(nn.Module):
     def __init__(self, d):
         super().__init__()
         self.qkv = nn.Linear(d, 3 * d)
+        nn.init.normal_(self.qkv.weight, std=0.5)  # sharp attention: positions matter
         self.rope = Rotary(d)
         self.proj = nn.Linear(d, d)
         self.norm = nn.LayerNorm(d)

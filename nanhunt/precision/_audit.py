@@ -284,8 +284,7 @@ class Auditor:
                     err = PrecisionLoss(0, got, ref).error
                     if err is not None:
                         out.append(err)
-        mean = (lambda xs: sum(xs) / len(xs) if xs else None)
-        return mean(before), mean(after)
+        return _mean(before), _mean(after)
 
     def result(self) -> PrecisionAudit | None:
         """The audit of every target (the first one holds the others in ``compare``)."""
@@ -353,6 +352,10 @@ def _grads(out: Any, seen: Measured, gradient: torch.Tensor | None,
     got = torch.autograd.grad(out, inputs, grad_outputs=g, allow_unused=True)
     return {k: [got[index[id(t)]] if id(t) in index else None for t in seen.outputs[k]]
             for k in keys}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 def _scalar(t: Any) -> float | None:

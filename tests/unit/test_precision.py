@@ -156,7 +156,8 @@ def test_library_sqnr_of_the_layer_matches_a_numpy_reference():
     h = model[2].register_forward_hook(lambda m, a, o: seen.update(inp=a[0], out=o))
     model(x)
     h.remove()
-    ref = seen["inp"].detach().double().numpy()  # float32 replay on float32 copies of the same input
+    # the float32 replay runs on float32 copies of the same (float16) input
+    ref = seen["inp"].detach().double().numpy()
     ref = (ref.astype(np.float32) + np.float32(1024.0)) - np.float32(1024.0)
     got = seen["out"].detach().double().numpy()
     want = 10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / np.sum((got - ref) ** 2))
