@@ -64,8 +64,8 @@ def _loss_line(audit: PrecisionAudit) -> str:
     if loss is None or loss.target is None or loss.float32 is None:
         return "loss: not measured"
     err = loss.error
-    return (f"loss at audited step {loss.step}: {audit.target} {loss.target:.6g} · float32 "
-            f"{loss.float32:.6g} · relative error {err:.2g}" if err is not None else "")
+    return (f"loss, audited step {loss.step}: {audit.target} {loss.target:.6g} · float32 "
+            f"{loss.float32:.6g} · rel. error {err:.2g}" if err is not None else "")
 
 
 def audit_panel(trace: Trace) -> Panel:
@@ -88,9 +88,13 @@ def terminal_section(console: Console, trace: Trace, *, show_all: bool = False,
     audit = trace.precision
     assert audit is not None
     console.print()
-    console.rule(Text(f"Precision audit: layers, worst first (SQNR dB vs float32; "
-                      f"{audit.target} rounding alone: {fmt_db(audit.nominal_sqnr_db)})",
-                      style="bold"), align="left", style="dim")
+    console.rule(Text("Precision audit: layers, worst first", style="bold"), align="left",
+                 style="dim")
+    console.print(Text(f"SQNR in dB against float32, higher is better; rounding to "
+                       f"{audit.target} alone gives {fmt_db(audit.nominal_sqnr_db)}, layers "
+                       f"below {fmt_db(audit.threshold_db)} stand out. own: the layer alone on "
+                       "the same inputs; e2e: against a float32 run of the whole model; grad: "
+                       "its output's gradient.", style="dim"))
     console.print(Text(_loss_line(audit), style="dim"))
     rows = _ordered(audit, show_all)
     shown = rows if show_all else rows[:max_layers]
