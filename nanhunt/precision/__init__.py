@@ -111,16 +111,24 @@ def audit(
     p = next(model.parameters(), None)
     run.device = str(p.device) if p is not None else "cpu"
     session = AuditSession(parse_targets(target), steps=steps, warmup=0, label="model")
-    with session:
-        for _ in range(steps):
-            inputs, labels = batch_fn()
-            with torch.enable_grad():
-                output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-                loss = loss_fn(output, labels)
-            session.measure(loss)
-            session.auditor.tape.clear()
-            if session.done:
-                break
+    # the forward the audit itself makes must not move BatchNorm statistics: put them back
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    try:
+        with session:
+            for _ in range(steps):
+                inputs, labels = batch_fn()
+                with torch.enable_grad():
+                    output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+                    loss = loss_fn(output, labels)
+                session.measure(loss)
+                session.auditor.tape.clear()
+                if session.done:
+                    break
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
     run.finished = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     trace = build_trace(session, run)
     if out is not None:

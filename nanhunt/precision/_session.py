@@ -45,14 +45,21 @@ class _TopLevel(TorchFunctionMode):
         kwargs = kwargs or {}
         s = self.session
         obs = s.auditor.observer
-        if (obs.phase != "record" or obs.depth != 0 or s.busy
-                or getattr(func, "__name__", "") in _SKIP
-                or not s.auditor.tape.tracks((args, kwargs))):
-            return func(*args, **kwargs)
-        rng = rng_state(s.auditor.devices)
+        try:
+            record = (obs.phase == "record" and obs.depth == 0 and not s.busy
+                      and getattr(func, "__name__", "") not in _SKIP
+                      and s.auditor.tape.tracks((args, kwargs)))
+            rng = rng_state(s.auditor.devices) if record else None
+        except Exception as exc:  # never the user's problem
+            s.fail(exc)
+            record = False
         out = func(*args, **kwargs)
-        s.auditor.tape.add(call_entry(func, args, kwargs, out, module=False,
-                                      devices=s.auditor.devices, rng=rng))
+        if record:
+            try:
+                s.auditor.tape.add(call_entry(func, args, kwargs, out, module=False,
+                                              devices=s.auditor.devices, rng=rng))
+            except Exception as exc:
+                s.fail(exc)
         return out
 
 
@@ -70,6 +77,7 @@ class AuditSession:
         self.audit: PrecisionAudit | None = None
         self.recommendations: list[Recommendation] = []
         self._backwards = 0
+        self._failed = False
         self._times: list[float | None] = []  # start of each backward; None marks a traced one
         self._stack: contextlib.ExitStack | None = None
         self._trace_stack: contextlib.ExitStack | None = None
@@ -148,10 +156,27 @@ class AuditSession:
                  rng: Any) -> None:
         if self.busy:
             return
-        self.auditor.name_root(module, self.label or _variable_name(module)
-                               or type(module).__name__)
-        self.auditor.tape.add(call_entry(module, args, kwargs, out, module=True,
-                                         devices=self.auditor.devices, rng=rng))
+        try:
+            self.auditor.name_root(module, self.label or _variable_name(module)
+                                   or type(module).__name__)
+            self.auditor.tape.add(call_entry(module, args, kwargs, out, module=True,
+                                             devices=self.auditor.devices, rng=rng))
+        except Exception as exc:  # a bug in the audit must never stop the user's training
+            self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop auditing with a note; the run goes on untouched."""
+        if self._failed:
+            return
+        self._failed = True
+        self.auditor.notes.append(f"the audit stopped at step {self.auditor.steps}: "
+                                  f"{type(exc).__name__}: {exc}")
+        self.done = True
+        # hooks and the mode come out at the next backward or at stop(): this may run inside
+        # the mode's own handler, where the mode is not on top of the stack
+        self.auditor.observer.end()
+        self.auditor.tape.clear()
+        self.auditor.kept.clear()
 
     def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.auditor.tape.clear()
@@ -187,6 +212,8 @@ class AuditSession:
                 session.busy = False
             if not session.tracing and not session.done and session._backwards >= session.warmup:
                 session._begin()
+            elif session.done and session.tracing:
+                session._end()
             return result
 
         return backward
@@ -208,12 +235,10 @@ class AuditSession:
             if ok and self.auditor.steps >= self.steps:
                 self._finish()
         except Exception as exc:  # a bug in the audit must never stop the user's training
-            self.auditor.notes.append(f"the audit stopped at step {self.auditor.steps}: "
-                                      f"{type(exc).__name__}: {exc}")
-            self._finish(failed=True)
+            self.fail(exc)
         finally:
             self.busy = was
-            if self.tracing:
+            if self.tracing and not self.done:
                 obs.begin("record")
 
     def _finish(self, *, failed: bool = False) -> None:

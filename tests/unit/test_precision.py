@@ -194,3 +194,70 @@ def test_bad_target_is_one_clear_error():
         nanhunt.audit(_model(True), _batches(), _loss, target="float64")
     with pytest.raises(nanhunt.NanhuntError, match="against float32"):
         nanhunt.audit(_model(True), _batches(), _loss, target="float32")
+
+
+def test_a_failing_audit_leaves_a_note_and_the_run_alone(monkeypatch):
+    from nanhunt.precision import _audit
+
+    def boom(self, *a, **k):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(_audit.Auditor, "_replay", boom)
+    model = _model(shift=True)
+    trace = nanhunt.audit(model, _batches(), _loss, steps=2)
+    assert trace.precision is None
+    assert any("planted" in n for n in trace.notes)
+
+
+EXAMPLES = __import__("pathlib").Path(__file__).resolve().parents[2] / "examples"
+
+
+def _example(name: str) -> dict:
+    import runpy
+
+    return runpy.run_path(str(EXAMPLES / "audit" / name), run_name="example")
+
+
+@pytest.mark.parametrize(("script", "build", "batch", "culprit"), [
+    ("shift_cnn.py", lambda ns: ns["CNN"](),
+     lambda: (torch.randn(16, 3, 8, 8) * 3, torch.randint(0, 3, (16,))), "features.2"),
+    ("accumulate_transformer.py", lambda ns: ns["Net"](),
+     lambda: (torch.randint(0, 32, (2, 512)), None), "block.mixer"),
+])
+def test_siblings_in_other_architectures(script, build, batch, culprit):
+    """The CNN and transformer siblings of the CLI's MLP scripts, through the library: an fp32
+    model audited against float16 (autocast simulated, as the scripts run it)."""
+    ns = _example(script)
+    torch.manual_seed(0)
+    model = build(ns)
+
+    def loss_fn(out, y):
+        if y is None:  # next-token loss on the same ids
+            return nn.functional.cross_entropy(out[:, :-1].float().reshape(-1, out.shape[-1]),
+                                               fixed_ids[:, 1:].reshape(-1))
+        return nn.functional.cross_entropy(out.float(), y)
+
+    fixed_ids = torch.randint(0, 32, (2, 512))
+    batches = (lambda: (fixed_ids, None)) if y_is_none(batch) else batch
+    trace = nanhunt.audit(model, batches, loss_fn, steps=2)
+    ranked = sorted((x for x in trace.precision.layers if x.rank), key=lambda x: x.rank)
+    assert ranked[0].module == culprit and ranked[0].stands_out
+    assert ranked[1].sqnr_db - ranked[0].sqnr_db >= 20
+    [rec] = trace.recommendations
+    assert rec.data["modules"] == [culprit] and rec.verified, rec.verification
+
+
+def y_is_none(batch) -> bool:
+    return batch()[1] is None
+
+
+def test_clean_cnn_with_batchnorm_gets_no_advice_and_keeps_its_statistics():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    stats = copy.deepcopy(model[1].state_dict())
+    trace = nanhunt.audit(model, lambda: (torch.randn(8, 3, 8, 8), torch.randint(0, 3, (8,))),
+                          _loss, target="bfloat16", steps=2)
+    assert not trace.recommendations
+    assert not any(x.stands_out for x in trace.precision.layers)
+    assert all(torch.equal(v, model[1].state_dict()[k]) for k, v in stats.items())

@@ -15,6 +15,9 @@ from nanhunt.trace import (
     Finding,
     LayerStats,
     OpRecord,
+    PrecisionAudit,
+    PrecisionLayer,
+    PrecisionLoss,
     RankSummary,
     Recommendation,
     RunInfo,
@@ -37,6 +40,9 @@ SECTIONS = {
     Recommendation: "Recommendation",
     OpRecord: "OpRecord",
     RankSummary: "RankSummary",
+    PrecisionAudit: "PrecisionAudit",
+    PrecisionLayer: "PrecisionLayer",
+    PrecisionLoss: "PrecisionLoss",
 }
 
 
