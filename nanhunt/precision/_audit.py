@@ -24,7 +24,7 @@ from ..formats import get_format
 from ..trace import PrecisionAudit, PrecisionLayer, PrecisionLoss
 from . import rank
 from ._observe import Measured, Observer, Plan, energies, is_gemm, round_to
-from ._tape import Entry, Tape
+from ._tape import Entry, Tape, cuda_devices
 
 __all__ = ["Auditor"]
 
@@ -57,12 +57,11 @@ class _TargetState:
 class Auditor:
     """Measures traced steps; ``result()`` ranks the layers and checks the advice."""
 
-    def __init__(self, targets: list[str] | None, devices: list[int]) -> None:
+    def __init__(self, targets: list[str] | None) -> None:
         self.requested = targets
-        self.devices = devices
         self.tape = Tape()
         self.names: dict[nn.Module, str] = {}
-        self.observer = Observer(self._name, devices)
+        self.observer = Observer(self._name)
         self.states: list[_TargetState] = []
         self.steps = 0
         self.notes: list[str] = []
@@ -152,7 +151,7 @@ class Auditor:
         if loss is None or not self.tape.tracks(loss):
             loss = tensor
         self.steps += 1
-        with torch.random.fork_rng(devices=self.devices), torch.enable_grad():
+        with torch.random.fork_rng(devices=cuda_devices()), torch.enable_grad():
             b, env_b = self._replay(entries, None)
             grads_b = _grads(env_b.get(id(tensor)), b, gradient, torch.float32)
             b_loss = _scalar(env_b.get(id(loss)))
@@ -235,7 +234,7 @@ class Auditor:
         self.observer.begin("float32" if plan is None else "target", plan, analyse=analyse)
         try:
             env = self.tape.replay(entries, params=lambda m: self._params(plan, m),
-                                   autocast=autocast, inputs=inputs, devices=self.devices)
+                                   autocast=autocast, inputs=inputs)
         finally:
             seen = self.observer.end()
         return seen, env
@@ -276,7 +275,7 @@ class Auditor:
             return None, None
         plan = Plan(**{**state.plan.__dict__, "fix": tuple(modules)})
         before, after = [], []
-        with torch.random.fork_rng(devices=self.devices), torch.no_grad():
+        with torch.random.fork_rng(devices=cuda_devices()), torch.no_grad():
             for entries, loss in self.kept:
                 ref = _scalar(self._replay(entries, None)[1].get(id(loss)))
                 for fixed, out in ((state.plan, before), (plan, after)):

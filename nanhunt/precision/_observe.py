@@ -185,8 +185,8 @@ class Measured:
 class Observer:
     """Global forward pre/post hooks, installed only while the audit traces."""
 
-    def __init__(self, names: Callable[[nn.Module], str], devices: list[int]) -> None:
-        self.names, self.devices = names, devices
+    def __init__(self, names: Callable[[nn.Module], str]) -> None:
+        self.names = names
         self.phase = "off"
         self.depth = 0  # record phase: nesting of module calls (0 = top level)
         self.on_root: Callable[..., None] | None = None
@@ -226,7 +226,7 @@ class Observer:
     def _pre(self, module: nn.Module, args: tuple) -> Any:
         if self.phase == "record":
             if self.depth == 0:
-                self._root_rng.append(rng_state(self.devices))
+                self._root_rng.append(rng_state())
             self.depth += 1
             return None
         if self.phase not in ("target", "float32"):
@@ -247,7 +247,7 @@ class Observer:
         parent_fixed = bool(self._frames) and self._frames[-1].fixed
         fixed = parent_fixed or name in plan.fix
         frame = _Frame(key, name, cast_floating(args, torch.float32, copy=True),
-                       rng_state(self.devices), fixed)
+                       rng_state(), fixed)
         self._frames.append(frame)
         if fixed and not parent_fixed:
             # the recommendation as the snippet installs it: float32 inputs, autocast off
@@ -290,13 +290,13 @@ class Observer:
     def _local(self, module: nn.Module, frame: _Frame, kwargs: dict, out: Any) -> None:
         """Replay ``module`` alone in float32 on float32 copies of its inputs."""
         phase, self.phase = self.phase, "off"
-        after = rng_state(self.devices)
+        after = rng_state()
         try:
             params = self._float32_params(module)
             kw32 = cast_floating(kwargs, torch.float32, copy=True)
             analyse = self.analyse and frame.key[1] == 0 and frame.name not in self.seen.analysis
             stats = _OpStats() if analyse else contextlib.nullcontext()
-            set_rng_state(frame.rng, self.devices)
+            set_rng_state(frame.rng)
             with contextlib.ExitStack() as stack:
                 for kind in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
                     stack.enter_context(torch.autocast(device_type=kind, enabled=False))
@@ -315,7 +315,7 @@ class Observer:
                 data.update(_range(ref_leaves, self.plan.fmt))  # type: ignore[union-attr]
                 self.seen.analysis[frame.name] = data
         finally:
-            set_rng_state(after, self.devices)
+            set_rng_state(after)
             self.phase = phase
 
     def _float32_params(self, module: nn.Module) -> dict[str, torch.Tensor]:

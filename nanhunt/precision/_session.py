@@ -49,15 +49,14 @@ class _TopLevel(TorchFunctionMode):
             record = (obs.phase == "record" and obs.depth == 0 and not s.busy
                       and getattr(func, "__name__", "") not in _SKIP
                       and s.auditor.tape.tracks((args, kwargs)))
-            rng = rng_state(s.auditor.devices) if record else None
+            rng = rng_state() if record else None
         except Exception as exc:  # never the user's problem
             s.fail(exc)
             record = False
         out = func(*args, **kwargs)
         if record:
             try:
-                s.auditor.tape.add(call_entry(func, args, kwargs, out, module=False,
-                                              devices=s.auditor.devices, rng=rng))
+                s.auditor.tape.add(call_entry(func, args, kwargs, out, module=False, rng=rng))
             except Exception as exc:
                 s.fail(exc)
         return out
@@ -68,8 +67,7 @@ class AuditSession:
 
     def __init__(self, targets: list[str] | None = None, *, steps: int = 3, warmup: int = 1,
                  label: str | None = None) -> None:
-        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-        self.auditor = Auditor(targets, devices)
+        self.auditor = Auditor(targets)
         self.steps, self.warmup, self.label = steps, warmup, label
         self.busy = False
         self.tracing = False
@@ -159,8 +157,7 @@ class AuditSession:
         try:
             self.auditor.name_root(module, self.label or _variable_name(module)
                                    or type(module).__name__)
-            self.auditor.tape.add(call_entry(module, args, kwargs, out, module=True,
-                                             devices=self.auditor.devices, rng=rng))
+            self.auditor.tape.add(call_entry(module, args, kwargs, out, module=True, rng=rng))
         except Exception as exc:  # a bug in the audit must never stop the user's training
             self.fail(exc)
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["Entry", "Tape", "cast_floating", "rng_state", "set_rng_state"]
+__all__ = ["Entry", "Tape", "cast_floating", "cuda_devices", "rng_state", "set_rng_state"]
 
 # in-place calls that return nothing useful: their first argument is what they produce
 _INPLACE_NONE = {"__setitem__"}
@@ -35,15 +35,22 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
-def rng_state(devices: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    cuda = [torch.cuda.get_rng_state(d) for d in devices]
-    return torch.get_rng_state(), cuda
+def cuda_devices() -> list[int]:
+    """CUDA devices whose generators exist now (asked each time: a script initialises CUDA
+    after nanhunt starts)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return []
+    return list(range(torch.cuda.device_count()))
 
 
-def set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor]], devices: list[int]) -> None:
+def rng_state() -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda_devices()}
+
+
+def set_rng_state(state: tuple[torch.Tensor, dict[int, torch.Tensor]]) -> None:
     cpu, cuda = state
     torch.set_rng_state(cpu)
-    for d, s in zip(devices, cuda, strict=True):
+    for d, s in cuda.items():
         torch.cuda.set_rng_state(s, d)
 
 
@@ -132,7 +139,6 @@ class Tape:
         params: Callable[[nn.Module], dict[str, torch.Tensor]],
         autocast: Callable[[Entry], dict[str, tuple[bool, torch.dtype]]],
         inputs: Callable[[Any], Any],
-        devices: list[int],
     ) -> dict[int, Any]:
         """Run ``entries`` again; returns {id(original tensor): its replayed counterpart}.
 
@@ -153,7 +159,7 @@ class Tape:
         for e in entries:
             args, kwargs = tree_map(sub, e.args), tree_map(sub, e.kwargs)
             if e.rng is not None:
-                set_rng_state(e.rng, devices)
+                set_rng_state(e.rng)
             with autocast_as(autocast(e)), torch.set_grad_enabled(e.grad_enabled):
                 if e.module:
                     out = functional_call(e.fn, params(e.fn), args, kwargs, strict=False)
@@ -171,7 +177,7 @@ class Tape:
 
 
 def call_entry(fn: Any, args: tuple, kwargs: dict, out: Any, *, module: bool,
-               devices: list[int], rng: Any = None) -> Entry:
+               rng: Any = None) -> Entry:
     return Entry(
         fn=fn,
         args=args,

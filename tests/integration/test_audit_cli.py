@@ -104,12 +104,16 @@ def _losses(model, x, y, autocast):
         return F.cross_entropy(model(x), y).item()
 
 
-@pytest.mark.parametrize("audited", ["shift_mlp", "accumulate_mlp"], indirect=True)
+_BY_HAND = {"shift_mlp": ("shift_mlp.py", "MLP"), "accumulate_mlp": ("accumulate_mlp.py",
+                                                                     "DeepSet")}
+
+
 def test_applying_the_printed_fix_by_hand_lowers_the_loss_error(audited):
     """Independent of nanhunt's replay: the printed snippet applied to a copy of the model."""
     name, module, _proc, _plain, report, _ = audited
-    script, cls = {"shift_mlp": ("shift_mlp.py", "MLP"),
-                   "accumulate_mlp": ("accumulate_mlp.py", "DeepSet")}[name]
+    if name not in _BY_HAND:  # the shared fixture's other scripts: checked above
+        pytest.skip("checked by hand for the MLP scripts only")
+    script, cls = _BY_HAND[name]
     rec = report["recommendations"][0]
     ns = runpy.run_path(str(EX / "audit" / script), run_name="example")
     torch.manual_seed(3)
