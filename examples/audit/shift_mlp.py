@@ -4,7 +4,7 @@ Trains finitely under torch.autocast("cpu", float16) + GradScaler. `recenter` ad
 offset (c = 1024) and takes it away again: in float16 the spacing of values near 1024 is 1.0, so
 its output keeps only the integer part of x (catastrophic cancellation). Nothing is ever
 non-finite; `nanhunt audit` should rank `recenter` first and advise float32 for it.
-Modules: "" (MLP), "fc1", "act", "recenter" (Recenter), "fc2", "act2", "head".
+Modules: "" (MLP), "fc1", "act", "recenter" (Recenter), "fc2", "act2", "drop", "head".
 """
 
 import argparse
@@ -31,10 +31,11 @@ class MLP(nn.Module):
         self.fc1, self.act = nn.Linear(d_in, d), nn.GELU()
         self.recenter = Recenter()
         self.fc2, self.act2 = nn.Linear(d, d), nn.GELU()
+        self.drop = nn.Dropout(0.1)  # random numbers the audit must replay and leave alone
         self.head = nn.Linear(d, n_classes)
 
     def forward(self, x):
-        return self.head(self.act2(self.fc2(self.recenter(self.act(self.fc1(x))))))
+        return self.head(self.drop(self.act2(self.fc2(self.recenter(self.act(self.fc1(x)))))))
 
 
 def main():
