@@ -261,3 +261,25 @@ def test_clean_cnn_with_batchnorm_gets_no_advice_and_keeps_its_statistics():
     assert not trace.recommendations
     assert not any(x.stands_out for x in trace.precision.layers)
     assert all(torch.equal(v, model[1].state_dict()[k]) for k, v in stats.items())
+
+
+class _Masked(nn.Module):
+    """Causal attention scores with a -inf mask added (healthy_gpt.py's pattern)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, -1)
+        mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)
+        return ((q @ k.transpose(1, 2)) / 2.0 + mask).softmax(-1) @ x
+
+
+def test_masked_attention_is_measured_without_a_note():
+    model = nn.Sequential(_Masked(), nn.Flatten(), nn.Linear(40, 3))
+    trace = nanhunt.audit(model, lambda: (torch.randn(4, 5, 8), torch.randint(0, 3, (4,))),
+                          _loss, steps=1)
+    assert trace.notes == [] and trace.precision is not None
+    att = next(x for x in trace.precision.layers if x.type == "_Masked")
+    assert "ops_unmeasured" not in att.data and math.isfinite(att.sqnr_db)
