@@ -75,7 +75,8 @@ class OptimizerObserver(Part):
         if self.cur.step_scaler and scaler is not None and scaler.is_enabled() and \
                 not self.s._in_scaler_step:
             self._outside_scaler_step(optimizer, scaler)
-        closure = kwargs.get("closure") is not None or (args and callable(args[0]))
+        # (args[0] is the optimizer itself: a positional closure is args[1])
+        closure = callable(kwargs.get("closure")) or (len(args) > 1 and callable(args[1]))
         if self.s.keep_tensors and self.judge.first_failure is None and not closure and \
                 self.s.optimizer_snapshot is None:
             self._copy_before_step(optimizer)

@@ -26,37 +26,29 @@ import datetime as _dt
 import platform
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..errors import NanhuntError
-from ..formats import get_format
 from ..trace import RunInfo, Trace
-from ._session import AuditSession
+from .command import parse_targets
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from ._session import AuditSession
 
 __all__ = ["AuditSession", "audit", "build_trace", "parse_targets"]
 
 
-def parse_targets(text: str | list[str] | None) -> list[str] | None:
-    """``"float16,bf16"`` -> ``["float16", "bfloat16"]`` (None: the run's own format)."""
-    if text is None:
-        return None
-    items = text.split(",") if isinstance(text, str) else list(text)
-    names = []
-    for item in (i.strip() for i in items):
-        if not item:
-            continue
-        fmt = get_format(item)
-        if fmt.name == "float32":
-            raise NanhuntError("--target float32: the audit compares a format against float32")
-        if fmt.name not in names:
-            names.append(fmt.name)
-    if not names:
-        raise NanhuntError("--target needs at least one format")
-    return names
+def __getattr__(name: str) -> Any:
+    # torch is imported on first use: `nanhunt audit --help` and usage errors stay torch-free
+    if name == "AuditSession":
+        from ._session import AuditSession
+
+        return AuditSession
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_trace(session: AuditSession, run: RunInfo) -> Trace:
@@ -102,6 +94,10 @@ def audit(
     With ``out``, report.json / report.html / report.txt are written there. Returns the trace;
     ``trace.precision`` holds the layers and ``trace.recommendations`` the checked advice.
     """
+    import torch
+
+    from ._session import AuditSession
+
     if steps < 1:
         raise NanhuntError("steps must be at least 1")
     run = RunInfo(command=["nanhunt.audit"], script=type(model).__name__,

@@ -13,7 +13,7 @@ from typing import Any
 from .._version import __version__
 from ..errors import NanhuntError
 
-__all__ = ["cmd_audit"]
+__all__ = ["cmd_audit", "parse_targets"]
 
 _HELP = """\
 Run a training script and measure, for every module, how much accuracy a low-precision format
@@ -91,6 +91,27 @@ def _split_here(argv: Sequence[str]) -> tuple[list[str], str | None, str | None,
     return ours, None, None, []
 
 
+def parse_targets(text: str | list[str] | None) -> list[str] | None:
+    """``"float16,bf16"`` -> ``["float16", "bfloat16"]`` (None: the run's own format)."""
+    from ..formats import get_format
+
+    if text is None:
+        return None
+    items = text.split(",") if isinstance(text, str) else list(text)
+    names = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        fmt = get_format(item)
+        if fmt.name == "float32":
+            raise NanhuntError("--target float32: the audit compares a format against float32")
+        if fmt.name not in names:
+            names.append(fmt.name)
+    if not names:
+        raise NanhuntError("--target needs at least one format")
+    return names
+
+
 class _NeverRaised(BaseException):
     pass
 
@@ -104,8 +125,6 @@ def cmd_audit(argv: Sequence[str]) -> int:
         raise NanhuntError("--steps must be at least 1")
     if opts.warmup < 0:
         raise NanhuntError("--warmup must be at least 0")
-    from . import parse_targets
-
     targets = parse_targets(opts.target)
     from ..runner import Target
 
@@ -125,7 +144,8 @@ def _audit(opts: argparse.Namespace, targets: list[str] | None, target: Any, arg
 
     from ..runner import print_user_traceback, run_target
     from ..trace import RunInfo
-    from . import AuditSession, build_trace
+    from . import build_trace
+    from ._session import AuditSession
 
     run = RunInfo(command=["nanhunt", "audit", *argv], script=target.argv0,
                   python=platform.python_version(), torch=torch.__version__,

@@ -155,3 +155,12 @@ def test_transparent_runner(tmp_path):
     under = _run(["audit", "--quiet", "--out", str(tmp_path / "o"), str(script), "--x", "--"],
                  tmp_path)
     assert under.stdout == plain.stdout and under.returncode == plain.returncode == 4
+
+
+def test_audit_help_and_usage_errors_never_import_torch(tmp_path):
+    code = ("import sys\nfrom nanhunt.cli import main\n"
+            "codes = [main(['audit', '--help']), main(['audit', '--target', 'fp64', 'x.py'])]\n"
+            "print(codes, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "[0, 2] False", out.stderr
