@@ -17,6 +17,9 @@ from nanhunt.trace import (
     LayerStats,
     LayerStep,
     OpRecord,
+    PrecisionAudit,
+    PrecisionLayer,
+    PrecisionLoss,
     RankSummary,
     Recommendation,
     RunInfo,
@@ -41,6 +44,9 @@ SECTIONS = {
     Recommendation: "Recommendation",
     OpRecord: "OpRecord",
     RankSummary: "RankSummary",
+    PrecisionAudit: "PrecisionAudit",
+    PrecisionLayer: "PrecisionLayer",
+    PrecisionLoss: "PrecisionLoss",
 }
 
 
