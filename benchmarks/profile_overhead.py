@@ -186,20 +186,20 @@ def rows_by_role(w: overhead.Workload) -> list[tuple[str, str, int, int]]:
     """What one traced step summarises: (role, module type, rows, elements)."""
     numel: collections.Counter = collections.Counter()
     rows: collections.Counter = collections.Counter()
-    queue = _capture.Hunt._queue
+    queue = _capture.recorder.Recorder.queue
 
     def spy(self, t, meta):  # type: ignore[no-untyped-def]
-        key = (meta.role, self._types.get(meta.owner or meta.module, "-"))
+        key = (meta.role, self.types.get(meta.owner or meta.module, "-"))
         numel[key] += t.numel()
         rows[key] += 1
         return queue(self, t, meta)
 
-    _capture.Hunt._queue = spy  # type: ignore[method-assign]
+    _capture.recorder.Recorder.queue = spy  # type: ignore[method-assign]
     try:
         with nanhunt.watch(w.model, w.optimizer, w.scaler):
             w.step()
     finally:
-        _capture.Hunt._queue = queue  # type: ignore[method-assign]
+        _capture.recorder.Recorder.queue = queue  # type: ignore[method-assign]
     return [(role, typ, rows[(role, typ)], n) for (role, typ), n in numel.most_common()]
 
 

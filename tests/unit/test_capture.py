@@ -276,7 +276,7 @@ def test_ring_buffer_is_bounded():
             opt.zero_grad()
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
-    assert len(hunt._steps) <= 3 + 1  # (the step in flight)
+    assert len(hunt.recorder.ring) <= 3 + 1  # (the step in flight)
     assert len(hunt.steps) == 10
     assert hunt.records(9) and not hunt.records(2)
 
@@ -417,7 +417,7 @@ def test_sampled_mode_traces_every_nth_step_and_escalates_on_failure():
 
 
 def test_memory_is_bounded_over_a_long_run(monkeypatch):
-    monkeypatch.setattr(capture, "HISTORY", 40)
+    monkeypatch.setattr(capture.recorder, "HISTORY", 40)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with nanhunt.watch(model, opt, keep_steps=5) as hunt:
@@ -426,7 +426,7 @@ def test_memory_is_bounded_over_a_long_run(monkeypatch):
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
     assert len(hunt.steps) == 40 and hunt.steps[-1].index == 129
-    assert len(hunt._steps) <= 5 + 1
+    assert len(hunt.recorder.ring) <= 5 + 1
     layer = hunt.layers[0]
     assert len(layer.forward_amax_by_step) <= 40 + 4
     assert layer.calls == 130  # the aggregate ranges still cover the whole run
@@ -627,7 +627,7 @@ def test_inference_loops_are_stepped_per_call_and_hold_nothing():
     with nanhunt.watch(model) as hunt, torch.no_grad():
         for _ in range(20):
             model(torch.randn(32, 64))
-            assert not any(not isinstance(v[2], weakref.ref) for v in hunt._seen.values())
+            assert not any(not isinstance(v[2], weakref.ref) for v in hunt.cur.seen.values())
     assert len(hunt.steps) == 20
 
 

@@ -1,0 +1,150 @@
+"""Optimizer observer: global optimizer step pre/post hooks (the step's transfer, the updated
+parameters, the step end), ``Optimizer.__init__`` (an optimizer exists) and ``clip_grad_norm_``
+(the norm before clipping)."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+from torch.optim import optimizer as _O
+
+from .. import stats as _stats
+from ._util import _foreach_norm, _safe, patch
+from .state import Part, _Meta
+
+
+class OptimizerObserver(Part):
+    """What an optimizer step does: before it, the step's one transfer (the weights are about
+    to change); after it, each updated parameter's amax and finiteness from one fused kernel per
+    device; the gradient norm the optimizer stepped on."""
+
+    def install(self, stack: Any) -> None:
+        stack.enter_context(_O.register_optimizer_step_pre_hook(self._on_opt_pre))
+        stack.enter_context(_O.register_optimizer_step_post_hook(self._on_opt_post))
+        patch(stack, torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
+        clip = self._wrap_clip(torch.nn.utils.clip_grad_norm_)
+        for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
+            if getattr(owner, "clip_grad_norm_", None) is not None:
+                stack.callback(setattr, owner, "clip_grad_norm_", owner.clip_grad_norm_)
+                owner.clip_grad_norm_ = clip
+
+    @_safe
+    def _on_opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.s._active:
+            return
+        self.s._saw_optimizer = True
+        self.s._optimizers_seen.add(id(optimizer))
+        scaler = self.s._scaler_ref() if self.s._scaler_ref is not None else None
+        if self.cur.step_scaler and scaler is not None and scaler.is_enabled():
+            # scaler.step(optimizer) unscales first; a direct optimizer.step() does not
+            state = scaler._per_optimizer_states.get(id(optimizer))
+            stage = getattr(state.get("stage"), "name", "READY") if state else "READY"
+            owns = any(id(p) in self.cur.scaled_grad_params
+                       for g in optimizer.param_groups for p in g["params"])
+            if stage == "READY" and owns:  # (an fp32 side model may step on its own loss)
+                self.s._misuse("optimizer_on_scaled_grads")
+        self.s._optimizer_ran_step = self.s._step
+        self.rec.data_for(self.s._step).optimizer_ran = True  # known on the host: no transfer
+        # the norm of what this optimizer steps on (a GAN's other model may hold gradients
+        # that no optimizer uses, still scaled)
+        self.cur.opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+        if kwargs.get("closure") is not None or (args and callable(args[0])):
+            # LBFGS & co: the transfer waits for the closure
+            self.s._closure_step = self.s._step
+            return
+        self.s._flush()  # the step's one transfer, before the update changes the weights
+
+    @_safe
+    def _on_opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.s._active:
+            return
+        if self.s._closure_step == self.s._step:
+            self.s._flush()  # the closure ran the forward and backward inside step()
+        params = [p for group in optimizer.param_groups for p in group["params"]
+                  if p.grad is not None and _stats.summarizable(p) and not p.is_sparse]
+        if params:
+            self._queue_params(params)
+        # with one optimizer the step ends here (so a distributed run agrees on stopping
+        # while every rank is still in step); once several optimizers step, at the next
+        # forward: a GAN's second optimizer belongs to the same iteration
+        if not self.cur.step_scaler and len(self.s._optimizers_seen) == 1:
+            self.s._end_step()
+
+    def _wrap_optimizer_init(self, original: Any) -> Any:
+        obs = self
+
+        def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+            obs.s._optimizer_exists = True  # micro-batches before its first step are one step
+            return original(optimizer, *args, **kwargs)
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        return __init__
+
+    def _wrap_clip(self, original: Any) -> Any:
+        obs = self
+
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            if obs.s._active and obs.cur.step_scaler and obs.s._unscaled_step != obs.s._step:
+                obs.s._misuse("clip_on_scaled_grads")
+            total = original(*args, **kwargs)
+            if obs.s._active and isinstance(total, torch.Tensor):
+                # the norm before clipping: what the step's gradients really were
+                obs.cur.clip_norm = total.detach()
+            return total
+
+        clip_grad_norm_.__wrapped__ = original  # type: ignore[attr-defined]
+        return clip_grad_norm_
+
+    @torch.no_grad()
+    def _queue_params(self, params: list[torch.Tensor]) -> None:
+        """Updated parameters, cheaply: one fused max-norm kernel per device gives each one's
+        amax, and NaN/inf when it went non-finite; a culprit is summarised exactly later."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in params:
+            by_device.setdefault(p.device, []).append(p)
+        for device, ps in by_device.items():
+            norms = torch.stack(_foreach_norm(ps, math.inf)).double()
+            rows = torch.zeros((len(ps), _stats.ROW_LEN), dtype=torch.float64, device=device)
+            # numel is filled in on the host (no host-to-device copy here)
+            rows[:, 1] = torch.isnan(norms).double()
+            rows[:, 2] = torch.isinf(norms).double()
+            rows[:, 5] = torch.where(torch.isfinite(norms), norms, 0.0)
+            rows[:, 6] = math.inf
+            self.rec.pending_rows.extend(rows.unbind(0))
+            for p in ps:
+                name, owner = self.s.naming.param_names.get(p, ("<param>", ""))
+                self.rec.metas.append(_Meta(
+                    step=self.s._step, order=self.cur.next_order(), phase="optimizer",
+                    module=owner,
+                    tensor=name, role="param", dtype=str(p.dtype).removeprefix("torch."),
+                    shape=tuple(p.shape), owner=owner, approx=weakref.ref(p)))
+                self.rec.dtypes.add(str(p.dtype).removeprefix("torch."))
+
+    @torch.no_grad()
+    def queue_grad_norm(self) -> None:
+        """The global norm of the gradients the optimizer sees (already unscaled by GradScaler
+        when it runs), one fused kernel per device."""
+        if self.cur.clip_norm is not None:  # clip_grad_norm_ measured it already, unclipped
+            self.rec.scalar(self.cur.clip_norm.double().pow(2), "grad_sumsq")
+            self.cur.clip_norm, self.cur.grad_params, self.cur.opt_params = None, {}, None
+            return
+        params = self.cur.opt_params if self.cur.opt_params is not None else \
+            self.cur.grad_params.values()
+        grads = [p.grad for p in params if p.grad is not None]
+        self.cur.grad_params, self.cur.opt_params = {}, None
+        if not grads:
+            return
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            if not g.is_sparse:
+                by_device.setdefault(g.device, []).append(g)
+        total = None
+        for device_grads in by_device.values():
+            norms = torch.stack(_foreach_norm(device_grads, 2.0))
+            part = norms.double().pow(2).sum()
+            total = part if total is None else total + part.to(total.device)
+        if total is not None:
+            self.rec.scalar(total, "grad_sumsq")

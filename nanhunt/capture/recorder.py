@@ -1,0 +1,257 @@
+"""The recorder: queued rows of device summaries, the step's one transfer to the host, the ring
+buffer of decoded steps, the step timeline and the per-module ranges."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import stats as _stats
+from ..formats import NumberFormat
+from ..trace import LayerStats, ScalerEvent, StepRecord, TensorRecord, TensorStats
+from .state import _LayerAcc, _merge_rows, _Meta, _StepData
+
+_HIST_OFFSET = 320  # gradient histograms span binades -320..319 (room to unscale)
+HISTORY = 10_000  # steps of timeline and per-layer history kept (memory stays bounded)
+
+
+class Recorder:
+    """Rows queued on the device during a step cross to the host in one transfer per step
+    (:meth:`flush`); the host side keeps the last ``keep_steps`` steps' records in a ring, one
+    :class:`~nanhunt.trace.StepRecord` per step and each module's ranges. Every decoded step is
+    handed to ``judge`` (first failure, stop decision)."""
+
+    def __init__(self, fmt: NumberFormat, keep_steps: int, types: dict[str, str],
+                 judge: Any) -> None:
+        self.format = fmt
+        self.types = types  # module name -> class name (the naming's table)
+        self.judge = judge
+        self.step = 0  # the step scalars are filed under (the session's step in flight)
+        self.dtypes: set[str] = set()
+        self.scaler_events: list[ScalerEvent] = []
+        self.metas: list[_Meta] = []  # this step's rows (and rows still queued from the last)
+        self.flushed = 0  # how many of self.metas have crossed to the host
+        self.pending_rows: list[torch.Tensor] = []
+        self.pending_scalars: list[torch.Tensor] = []
+        self.pending_scalar_keys: list[tuple[int, str]] = []
+        # one more than asked: the step in flight, whose last rows arrive with the next transfer
+        self.ring: deque[_StepData] = deque(maxlen=keep_steps + 1)
+        self.step_records: dict[int, StepRecord] = {}
+        self.step_order: deque[int] = deque(maxlen=max(keep_steps, HISTORY))
+        self.accs: dict[str, _LayerAcc] = {}
+        self.grad_hist: dict[str, np.ndarray] = {}
+
+    def begin_step(self, step: int) -> None:
+        """Rows still queued from the last step stay; the flushed ones are dropped."""
+        self.step = step
+        self.metas = self.metas[self.flushed:]
+        self.flushed = 0
+
+    @property
+    def steps(self) -> list[StepRecord]:
+        return [self.step_records[i] for i in self.step_order if i in self.step_records]
+
+    def queue(self, t: torch.Tensor, meta: _Meta) -> int:
+        self.pending_rows.append(_stats.summarize(t, self.format))
+        self.metas.append(meta)
+        self.dtypes.add(meta.dtype)
+        return len(self.metas) - 1
+
+    def scalar(self, value: torch.Tensor, key: str) -> None:
+        """A device scalar of the step now recorded (loss, scale, found_inf, gradient norm)."""
+        self.pending_scalars.append(value.detach().reshape(-1)[:1].double())
+        self.pending_scalar_keys.append((self.step, key))
+
+    def flush(self, step: int, parents: dict[int, int | None]) -> None:
+        """Move every queued row to the host in one transfer and digest it; ``parents`` are
+        the step's module calls (call id -> parent call id)."""
+        rows, scalars, keys = self.pending_rows, self.pending_scalars, self.pending_scalar_keys
+        if not rows and not scalars:
+            return
+        metas = self.metas[self.flushed:self.flushed + len(rows)]
+        self.flushed += len(rows)
+        devices = {p.device for p in (*rows, *scalars)}
+        if len(devices) == 1:
+            parts = ([torch.stack(rows).reshape(-1)] if rows else []) + scalars
+            flat = torch.cat(parts).cpu().numpy()
+        else:  # model parallel: one transfer per piece's device
+            flat = np.concatenate([r.cpu().numpy() for r in rows]
+                                  + [x.cpu().numpy() for x in scalars])
+        n = len(rows) * _stats.ROW_LEN
+        matrix = flat[:n].reshape(len(rows), _stats.ROW_LEN)
+        values = flat[n:]
+        self.pending_rows, self.pending_scalars, self.pending_scalar_keys = [], [], []
+        self.data_for(step).parents.update(parents)
+        self.digest(metas, matrix, list(zip(keys, values)))
+
+    def data_for(self, step: int) -> _StepData:
+        for d in reversed(self.ring):
+            if d.index == step:
+                return d
+        d = _StepData(index=step)
+        self.ring.append(d)
+        return d
+
+    def find_step(self, step: int | None) -> _StepData | None:
+        if not self.ring:
+            return None
+        if step is None:
+            return self.ring[-1]
+        for d in self.ring:
+            if d.index == step:
+                return d
+        return None
+
+    def digest(self, metas: list[_Meta], matrix: np.ndarray, scalars: list) -> None:
+        touched: dict[int, _StepData] = {}
+        new = metas
+        for (step, key), value in scalars:
+            d = touched.get(step) or touched.setdefault(step, self.data_for(step))
+            if key == "loss":
+                d.loss = float(value)
+            elif key == "scale" or key == "scale_before":
+                d.scale = float(value)
+            elif key == "scale_after":
+                d.scale_after = float(value)
+            elif key == "found_inf":
+                d.found_inf = bool(value > 0)
+            elif key == "grad_sumsq":  # one per optimizer that stepped
+                d.grad_sumsq = (d.grad_sumsq or 0.0) + float(value)
+        arrived = []
+        for meta, row in zip(new, matrix):
+            if meta.approx is not None:
+                row[0] = math.prod(meta.shape)
+            d = touched.get(meta.step) or touched.setdefault(meta.step,
+                                                             self.data_for(meta.step))
+            d.metas.append(meta)
+            d.rows.append(row)
+            arrived.append((meta, row, d))
+        for step in sorted(touched):
+            self.update_step(touched[step])
+        for meta, row, d in arrived:
+            if self.judge.before_failure(meta) and not (meta.phase == "backward"
+                                                        and d.found_inf and d.problem is None):
+                # (gradients of a step GradScaler skipped overflowed on purpose: not a range)
+                self.accumulate(meta, row, d)
+
+    def accumulate(self, meta: _Meta, row: np.ndarray, d: _StepData) -> None:
+        if meta.phase == "backward":
+            self.add_grad_hist(meta.dtype, row, d.scale)
+        for owner in (meta.owner, *meta.also_owners):
+            if owner:
+                self.accumulate_into(owner, meta, row)
+
+    def accumulate_into(self, owner: str, meta: _Meta, row: np.ndarray) -> None:
+        acc = self.accs.get(owner)
+        if acc is None:
+            acc = self.accs[owner] = _LayerAcc(owner, self.types.get(owner, ""))
+        if meta.role == "output":
+            acc.calls += 1
+            acc.dtypes.add(meta.dtype)
+            acc.forward = _merge_rows(acc.forward, row)
+            acc.fwd_by_step[meta.step] = max(acc.fwd_by_step.get(meta.step, 0.0), float(row[5]))
+        elif meta.role == "grad_output" or (meta.role == "grad_input" and meta.owner):
+            acc.backward = _merge_rows(acc.backward, row)
+            acc.bwd_by_step[meta.step] = max(acc.bwd_by_step.get(meta.step, 0.0), float(row[5]))
+        elif meta.role == "param_grad":
+            acc.param_grad = _merge_rows(acc.param_grad, row)
+        elif meta.role == "param":
+            acc.param_by_step[meta.step] = max(acc.param_by_step.get(meta.step, 0.0),
+                                               float(row[5]))
+
+    def add_grad_hist(self, dtype: str, row: np.ndarray, scale: float | None) -> None:
+        """Add a gradient's exponent histogram, unscaled, to the run's histogram."""
+        shift = 0
+        if scale and scale > 0 and math.isfinite(scale):
+            shift = round(math.log2(scale))
+        hist = self.grad_hist.get(dtype)
+        if hist is None:
+            hist = self.grad_hist[dtype] = np.zeros(2 * _HIST_OFFSET, dtype=np.float64)
+        lo = _HIST_OFFSET + 1 - 127 - shift  # index of exponent-field 1's binade
+        if lo >= 0 and lo + 254 <= len(hist):
+            hist[lo:lo + 254] += row[_stats._HEAD + 1:_stats._HEAD + 255]
+
+    def grad_histograms(self) -> dict[str, dict[int, int]]:
+        """Unscaled gradient exponent histograms (binade -> count), by gradient dtype."""
+        out = {}
+        for dtype, hist in self.grad_hist.items():
+            nz = np.nonzero(hist)[0]
+            out[dtype] = {int(i) - _HIST_OFFSET: int(hist[i]) for i in nz}
+        return out
+
+    def step_record(self, index: int) -> StepRecord:
+        """The step's record, made on first use; the oldest are dropped past HISTORY steps."""
+        rec = self.step_records.get(index)
+        if rec is None:
+            rec = self.step_records[index] = StepRecord(index=index)
+            if len(self.step_order) == self.step_order.maxlen:
+                self.step_records.pop(self.step_order[0], None)
+            self.step_order.append(index)
+            if index % max(1, HISTORY // 10) == 0:
+                self.prune_history(index - HISTORY)
+        return rec
+
+    def prune_history(self, oldest: int) -> None:
+        for acc in self.accs.values():
+            for by_step in (acc.fwd_by_step, acc.bwd_by_step, acc.param_by_step):
+                for k in [k for k in by_step if k < oldest]:
+                    del by_step[k]
+
+    def update_step(self, d: _StepData) -> None:
+        rec = self.step_record(d.index)
+        rec.loss = d.loss
+        rec.scale = d.scale
+        nonfinite = [m for m, r in zip(d.metas, d.rows) if r[1] + r[2] + r[3] > 0]
+        rec.nonfinite = bool(nonfinite) or (d.loss is not None and not math.isfinite(d.loss))
+        rec.records = len(d.metas)
+        if d.scale_after is not None and d.scale is not None:
+            rec.skipped = bool(d.found_inf) if d.found_inf is not None else d.scale_after < d.scale
+            if d.scale_after != d.scale and len(self.scaler_events) < HISTORY and not (
+                    self.scaler_events and self.scaler_events[-1].step >= d.index):
+                self.scaler_events.append(ScalerEvent(
+                    d.index, "backoff" if d.scale_after < d.scale else "growth",
+                    d.scale, d.scale_after))
+        if d.grad_sumsq is not None:
+            rec.grad_norm = math.sqrt(d.grad_sumsq) if math.isfinite(d.grad_sumsq) else \
+                float("nan")
+        self.judge.judge(d, rec)
+
+    def stats(self, m: _Meta, row: np.ndarray) -> TensorStats:
+        if m.approx is not None:  # a cheap row: summarise the tensor exactly now (a failure)
+            t = m.approx()
+            if t is not None:
+                row = _stats.summarize(t, self.format).cpu().numpy()
+        return _stats.decode(row, m.dtype, m.shape, self.format)
+
+    def tensor_record(self, m: _Meta, row: np.ndarray) -> TensorRecord:
+        return TensorRecord(step=m.step, order=m.order, phase=m.phase, module=m.module,
+                            tensor=m.tensor, role=m.role, stats=self.stats(m, row),
+                            mutated=m.mutated)
+
+    def layer_stats(self, acc: _LayerAcc) -> LayerStats:
+        def conv(row: np.ndarray | None) -> TensorStats | None:
+            if row is None:
+                return None
+            return _stats.decode(row, "mixed" if len(acc.dtypes) > 1 else
+                                 next(iter(acc.dtypes), "float32"), [], self.format)
+
+        return LayerStats(
+            module=acc.module, type=acc.type, calls=acc.calls, dtypes=sorted(acc.dtypes),
+            forward=conv(acc.forward), backward=conv(acc.backward),
+            param_grad=conv(acc.param_grad),
+            forward_amax_by_step=dict(acc.fwd_by_step),
+            backward_amax_by_step=dict(acc.bwd_by_step),
+            param_amax_by_step=dict(acc.param_by_step),
+        )
+
+    def records(self, step: int | None = None) -> list[TensorRecord]:
+        """Decoded tensor records of a step still in the ring buffer (default: the last)."""
+        data = self.find_step(step)
+        if data is None:
+            return []
+        return [self.tensor_record(m, r) for m, r in sorted(
+            zip(data.metas, data.rows), key=lambda mr: mr[0].order)]

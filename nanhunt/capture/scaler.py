@@ -1,0 +1,60 @@
+"""Scaler observer: ``GradScaler.update`` (found_inf, the scale before and after: the step ends
+there) and ``GradScaler.unscale_`` (whether gradients were unscaled before clipping)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._util import patch
+from .state import Part
+
+
+class ScalerObserver(Part):
+    """GradScaler's own bookkeeping, read as device scalars: a skipped step is seen here even
+    though no optimizer hook fires for it."""
+
+    def install(self, stack: Any) -> None:
+        patch(stack, torch.amp.GradScaler, "update", self._wrap_update)
+        patch(stack, torch.amp.GradScaler, "unscale_", self._wrap_unscale)
+
+    def _wrap_update(self, original: Any) -> Any:
+        obs = self
+
+        def update(scaler: Any, new_scale: Any = None) -> None:
+            tracked = obs._guard(obs._before_update, scaler)
+            result = original(scaler, new_scale)
+            if tracked:
+                obs._guard(obs._after_update, scaler)
+            return result
+
+        update.__wrapped__ = original  # type: ignore[attr-defined]
+        return update
+
+    def _before_update(self, scaler: Any) -> bool:
+        if not (self.s._active and scaler.is_enabled() and scaler._scale is not None):
+            return False
+        self.s.scaler_seen = True
+        found = [f for s in scaler._per_optimizer_states.values()
+                 for f in s["found_inf_per_device"].values()]
+        if found and not self.cur.step_scaler and self.cur.did_backward:
+            self.s._misuse("unscaled_loss")
+        if found:
+            self.rec.scalar(sum(f.to(scaler._scale.device) for f in found), "found_inf")
+        self.rec.scalar(scaler._scale.clone(), "scale_before")
+        return True
+
+    def _after_update(self, scaler: Any) -> None:
+        self.rec.scalar(scaler._scale.clone(), "scale_after")
+        self.s._end_step()
+
+    def _wrap_unscale(self, original: Any) -> Any:
+        obs = self
+
+        def unscale_(scaler: Any, optimizer: Any) -> None:
+            obs.s._unscaled_step = obs.s._step
+            return original(scaler, optimizer)
+
+        unscale_.__wrapped__ = original  # type: ignore[attr-defined]
+        return unscale_

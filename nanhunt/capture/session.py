@@ -1,0 +1,379 @@
+"""The session: :class:`Hunt` composes the observers, the recorder and the judge, owns every
+handle through one ExitStack, and decides where a step ends.
+
+Data flows one way: the observers (:mod:`.modules`, :mod:`.autograd`, :mod:`.loss`,
+:mod:`.optimizer`, :mod:`.scaler`) summarise tensors on their own device (:mod:`nanhunt.stats`)
+and queue the rows in the :class:`~.recorder.Recorder`; once per step the queued rows cross to
+the host in one transfer; the host side turns them into records, per-module ranges and step
+records, and the :class:`~.judge.Judge` asks :mod:`nanhunt.locate` for the origin when a step
+has a problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fnmatch
+import sys
+import threading
+import traceback
+import weakref
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import NanhuntError
+from ..formats import NumberFormat, get_format
+from ..trace import Failure, LayerStats, RunInfo, ScalerEvent, StepRecord, TensorRecord, Trace
+from .autograd import AutogradObserver
+from .judge import Judge
+from .loss import LossObserver
+from .modules import ModuleObserver
+from .naming import Naming
+from .optimizer import OptimizerObserver
+from .recorder import Recorder
+from .scaler import ScalerObserver
+from .snapshot import Snapshots
+from .state import Snapshot, StepState, _StepData
+
+_LOCK = threading.Lock()
+_ACTIVE: Any = None  # the one session installed in this process
+
+
+class StopRun(BaseException):
+    """Raised out of a training step to stop the script once the failing step is captured."""
+
+
+class Hunt:
+    """Watch training steps and find the first non-finite value, with per-layer ranges.
+
+    Use it as a context manager around one failing step or a whole loop, or call
+    :meth:`start` and :meth:`stop`::
+
+        import torch, nanhunt
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nanhunt.watch(model, opt) as hunt:
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                opt.step()
+        print(hunt.first_failure)          # None: every value was finite
+        print(hunt.steps[-1].loss)         # the last step's loss
+        print(hunt.layers[0].module)       # per-module ranges, execution order
+
+    Reading the result: ``first_failure`` names the step (0-based), the phase (``data``,
+    ``forward``, ``backward``, ``optimizer``, ``loss_scaling``), the module's qualified name
+    as in ``model.named_modules()``, the tensor (``output[0]``, ``grad_input[0]``,
+    ``fc.weight.grad``, ``loss``) and the values' summary. A module is blamed only when its
+    inputs were finite; a non-finite value that a later module absorbed (a ``-inf`` attention
+    mask) is recorded in ``facts``, not blamed. ``layers`` gives each module's forward and
+    backward magnitude ranges, to read against the target format's limits
+    (``headroom`` in binades below its max). ``steps`` has one record per step, including
+    the steps GradScaler skipped.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scaler: Any = None,
+        *,
+        target: str = "float16",
+        keep_steps: int = 64,
+        allow_inf: Iterable[str] = (),
+        sample_every: int = 1,
+        keep_tensors: bool = True,
+        stop_on_problem: bool = False,
+        max_steps: int | None = None,
+        collapse_scale: float = 1.0,
+        on_step: Any = None,
+    ) -> None:
+        if keep_steps < 1:
+            raise NanhuntError("keep_steps must be at least 1")
+        if sample_every < 1:
+            raise NanhuntError("sample_every must be at least 1")
+        self.format: NumberFormat = get_format(target)
+        self.target = self.format.name
+        self.keep_steps = keep_steps
+        self.allow_inf = tuple(allow_inf)
+        self.sample_every = sample_every
+        self.keep_tensors = keep_tensors
+        self.stop_on_problem = stop_on_problem
+        self.collapse_scale = collapse_scale
+        self.max_steps = max_steps
+        self.on_step = on_step  # called with each finished StepRecord (the CLI's live line)
+        self._model_ref = weakref.ref(model) if model is not None else None
+        self._optimizer_ref = weakref.ref(optimizer) if optimizer is not None else None
+        self._scaler_ref = weakref.ref(scaler) if scaler is not None else None
+        self._stack: contextlib.ExitStack | None = None
+        self._reset()
+
+    # -- composition and state ------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self.judge = Judge(self.collapse_scale, on_failure=self._on_failure)
+        self.naming = Naming()
+        self.recorder = Recorder(self.format, self.keep_steps, self.naming.types, self.judge)
+        self.judge.recorder = self.recorder
+        self.modules = ModuleObserver(self)
+        self.autograd = AutogradObserver(self)
+        self.loss = LossObserver(self)
+        self.scaler_obs = ScalerObserver(self)
+        self.optimizer_obs = OptimizerObserver(self)
+        self.snapshots = Snapshots(self)
+        self.naming.on_param = self.autograd.hook_param
+        self.internal_errors: list[str] = []
+        self.snapshot: Snapshot | None = None
+        self.failure_extra: dict[str, Any] = {}
+        self.devices: set[str] = set()
+        self.autocast_seen = False
+        self.scaler_seen = False
+        self._active = False
+        self._step = 0
+        self._stop_pending = False
+        self._saw_optimizer = False
+        self._optimizer_ran_step = -1
+        self._unscaled_step = -1
+        self._closure_step = -1
+        self._optimizers_seen: set[int] = set()
+        self._optimizer_exists = self._optimizer_ref is not None
+        self._begin_step_state()
+
+    def _observers(self) -> list[Any]:
+        return [self.modules, self.autograd, self.loss, self.scaler_obs, self.optimizer_obs]
+
+    def _begin_step_state(self) -> None:
+        self.cur = StepState(self.keep_tensors)
+        self.recorder.begin_step(self._step)
+        self._full = self._step % self.sample_every == 0 or bool(self.judge.problem_steps)
+        if self.sample_every > 1 and self._stack is not None:
+            # global module hooks slow every module call: sampled mode drops them between
+            # sampled steps
+            self.modules.set_hooks(self._full or not (self._saw_optimizer or self.scaler_seen))
+
+    # -- public API ---------------------------------------------------------------------
+
+    @property
+    def steps(self) -> list[StepRecord]:
+        """One record per step seen (the most recent ``keep_steps`` thousand at most)."""
+        return self.recorder.steps
+
+    @property
+    def layers(self) -> list[LayerStats]:
+        """Per-module forward and backward ranges over the recorded steps, execution order."""
+        return [self.recorder.layer_stats(acc) for acc in self.recorder.accs.values()]
+
+    @property
+    def step(self) -> int:
+        """Index of the step now being recorded."""
+        return self._step
+
+    @property
+    def first_failure(self) -> Failure | None:
+        return self.judge.first_failure
+
+    @property
+    def problem(self) -> str | None:
+        return self.judge.problem
+
+    @property
+    def facts(self) -> list[str]:
+        return self.judge.facts
+
+    @property
+    def dtypes(self) -> set[str]:
+        return self.recorder.dtypes
+
+    @property
+    def scaler_events(self) -> list[ScalerEvent]:
+        return self.recorder.scaler_events
+
+    def records(self, step: int | None = None) -> list[TensorRecord]:
+        """Decoded tensor records of a step still in the ring buffer (default: the last)."""
+        return self.recorder.records(step)
+
+    def grad_histograms(self) -> dict[str, dict[int, int]]:
+        """Unscaled gradient exponent histograms (binade -> count), by gradient dtype."""
+        return self.recorder.grad_histograms()
+
+    def start(self) -> Hunt:
+        global _ACTIVE
+        with _LOCK:
+            if _ACTIVE is not None:
+                raise NanhuntError("another nanhunt session is already active in this process")
+            _ACTIVE = self
+        try:
+            self._install()
+        except BaseException:
+            if self._stack is not None:  # roll a partial install back
+                self._stack.close()
+                self._stack = None
+            with _LOCK:
+                _ACTIVE = None
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Flush the last step, detach every hook and restore everything patched."""
+        global _ACTIVE
+        if self._stack is None:
+            return
+        try:
+            with contextlib.suppress(StopRun):
+                self._flush()
+        finally:
+            self._active = False
+            self.cur.clear_handles()
+            self._stack.close()
+            self._stack = None
+            self.cur.calls = []
+            self.cur.seen = {}
+            self.cur.grads = {}
+            self.naming.release()
+            self._model_ref = self._optimizer_ref = self._scaler_ref = None
+            with _LOCK:
+                if _ACTIVE is self:
+                    _ACTIVE = None
+
+    def __enter__(self) -> Hunt:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.stop()
+        if exc is not None and self.first_failure is not None and hasattr(exc, "add_note"):
+            exc.add_note(f"nanhunt: first non-finite value at {self.first_failure.where()}")
+        return False
+
+    def request_stop(self) -> None:
+        """Ask a session with ``stop_on_problem`` to stop the script at the end of this step
+        (another rank of a distributed run found a problem)."""
+        self._stop_pending = True
+
+    def end_step(self) -> None:
+        """Mark a step boundary by hand (for loops that never call an optimizer)."""
+        self._end_step()
+
+    # -- installation -------------------------------------------------------------------
+
+    def _install(self) -> None:
+        with contextlib.ExitStack() as stack:  # (a failing install undoes what came before)
+            for part in self._observers():
+                part.install(stack)
+            self._stack = stack.pop_all()
+        model = self._model_ref() if self._model_ref else None
+        if model is not None:
+            self.naming.add_root(model, primary=True, label=type(model).__name__)
+        self._active = True
+
+    # -- shared by the observers ----------------------------------------------------------
+
+    def _misuse(self, code: str) -> None:
+        rec = self.recorder.step_record(self._step)
+        if code not in rec.misuse:
+            rec.misuse.append(code)
+
+    def _allowed(self, module: str, tensor: str) -> bool:
+        return any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(f"{module}.{tensor}", p)
+                   for p in self.allow_inf)
+
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        """Run nanhunt's part of a hook; a bug of ours must never break the user's training."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._internal_failure(exc)
+            return None
+
+    def _internal_failure(self, exc: Exception) -> None:
+        frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        where = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
+        self.internal_errors.append(f"{type(exc).__name__}: {exc}{where}")
+        if self._active:
+            self._active = False
+            print(f"nanhunt: internal error ({type(exc).__name__}: {exc}{where}); tracing "
+                  "stopped, your run continues", file=sys.stderr)
+
+    def _on_failure(self, d: _StepData, origin_step: _StepData) -> None:
+        """The judge found the first failure: keep the culprit, trace fully, stop if asked."""
+        self.snapshots.take(d, origin_step)
+        self._stop_pending = True
+        self._full = True
+
+    # -- step boundaries and the transfer ---------------------------------------------------
+
+    def _end_step_if_over(self) -> None:
+        """A new forward (or backward) after the optimizer ran starts a new step: several
+        optimizers in one iteration stay one step, and a missing scaler.update() still ends it."""
+        if self._optimizer_ran_step == self._step:
+            self._end_step()
+        elif self.cur.did_backward and not self._saw_optimizer and not self.cur.step_scaler \
+                and not self._optimizer_exists:
+            self._end_step()  # a loop with no optimizer: a new forward starts a new step
+
+    def _end_step(self) -> None:
+        if not self.cur.transferred:
+            self._flush()
+        self.recorder.step_record(self._step)
+        self.cur.clear_handles()
+        if self.on_step is not None:
+            self.on_step(self.recorder.step_records[self._step], self)
+        stop = self._stop_pending and self.stop_on_problem
+        self._step += 1
+        self._begin_step_state()
+        if stop:
+            self._stop_pending = False
+            raise StopRun(f"nanhunt stopped the script after step {self._step - 1}, "
+                          "where the first non-finite value appeared")
+        if self.max_steps is not None and self._step >= self.max_steps:
+            raise StopRun(f"nanhunt stopped the script after {self._step} steps (--max-steps)")
+
+    def _flush(self) -> None:
+        """Move every queued row to the host in one transfer and digest it."""
+        self.cur.transferred = True
+        self.optimizer_obs.queue_grad_norm()
+        self.recorder.flush(self._step, {c.id: c.parent for c in self.cur.calls})
+
+    # -- derived views -------------------------------------------------------------------------
+
+    def trace(self, run: RunInfo | None = None) -> Trace:
+        """Everything recorded so far as a torch-free :class:`~nanhunt.trace.Trace`."""
+        run = run or RunInfo()
+        run.target = self.target
+        run.dtypes = sorted(self.dtypes)
+        run.autocast = run.autocast or self.autocast_seen
+        run.scaler = run.scaler or self.scaler_seen
+        if not run.device:
+            run.device = ", ".join(sorted(self.devices)) or "cpu"
+        failure = copy.deepcopy(self.first_failure)
+        if failure is not None and self.failure_extra.get("bad_samples"):
+            failure.bad_samples = dict(self.failure_extra["bad_samples"])
+        return Trace(
+            run=run,
+            steps=copy.deepcopy(self.steps),
+            layers=self.layers,
+            first_failure=failure,
+            problem=self.first_failure is not None,
+            facts=list(self.facts),
+            scaler_events=list(self.scaler_events),
+            grad_hist=self.grad_histograms(),
+            notes=[f"nanhunt stopped tracing after an internal error: {e}"
+                   for e in self.internal_errors],
+        )
+
+
+@contextlib.contextmanager
+def watch(
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: Any = None,
+    target: str = "float16",
+    **options: Any,
+) -> Iterator[Hunt]:
+    """Watch the training steps run inside the block; see :class:`Hunt`."""
+    hunt = Hunt(model, optimizer, scaler, target=target, **options)
+    with hunt:
+        yield hunt
