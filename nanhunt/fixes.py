@@ -26,6 +26,7 @@ import contextlib
 import difflib
 import fnmatch
 import inspect
+import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from . import capture
 from .errors import NanhuntError
 from .fixspec import FixSpec
 
-__all__ = ["FixMismatch", "Fixes", "install"]
+__all__ = ["FixMismatch", "Fixes", "RunFixes", "install"]
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _DISPATCH_FILES = (str(Path(_TORCH_DIR) / "overrides.py"), str(Path(_TORCH_DIR) / "_tensor.py"))
@@ -59,7 +60,7 @@ _FLOORED = {
 }
 
 
-class FixMismatch(BaseException):  # noqa: N818 - raised through the user's code, like StopRun
+class FixMismatch(BaseException):
     """A fix that cannot apply to this script (its pattern names no module, no GradScaler...).
 
     A BaseException so that the script's own ``except Exception`` does not swallow it.
@@ -216,12 +217,13 @@ class Fixes:
             self._stack = stack.pop_all()
         return self
 
-    def uninstall(self) -> str | None:
-        """Remove every hook and patch; the message of a fix that never applied, if any."""
+    def uninstall(self, *, completed: bool = True) -> str | None:
+        """Remove every hook and patch; the message of a fix that never applied, if any (only
+        judged when the run ``completed``: one stopped early may not have reached it)."""
         if self._stack is not None:
             self._stack.close()
             self._stack = None
-        return self.mismatch(final=True)
+        return self.mismatch(final=True) if completed else None
 
     def __enter__(self) -> Fixes:
         return self if self._stack is not None else self.install()
@@ -453,3 +455,43 @@ def install(specs: Iterable[FixSpec]) -> Fixes:
     """Install ``specs`` for the code that runs next; a context manager, or call
     :meth:`Fixes.uninstall` when done."""
     return Fixes(specs).install()
+
+
+class RunFixes:
+    """What ``nanhunt diagnose --fix`` installs around the script: the fixes, and in a
+    verification re-run the sandbox for its writes and a progress file for the parent's
+    live line."""
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        from .fixspec import parse_fix
+
+        self.texts = list(texts)
+        self.fixes = Fixes([parse_fix(t) for t in self.texts]) if self.texts else None
+        self.sandbox: Any = None
+        self._progress = os.environ.get("NANHUNT_PROGRESS") if \
+            os.environ.get("NANHUNT_RERUN") == "1" else None
+
+    @property
+    def rerun(self) -> bool:
+        return os.environ.get("NANHUNT_RERUN") == "1"
+
+    def install(self) -> RunFixes:
+        from . import sandbox
+
+        if self.fixes is not None:
+            self.fixes.install()
+        if self.rerun:
+            self.sandbox = sandbox.install()
+        return self
+
+    def uninstall(self, *, completed: bool = True) -> str | None:
+        message = self.fixes.uninstall(completed=completed) if self.fixes is not None else None
+        if self.sandbox is not None:
+            self.sandbox.uninstall()
+        return message
+
+    def on_step(self, rec: Any) -> None:
+        if self._progress:
+            loss = f"  loss {rec.loss:.4g}" if rec.loss is not None else ""
+            with open(self._progress, "a", encoding="utf-8") as f:
+                f.write(f"step {rec.index}{loss}{'  skipped' if rec.skipped else ''}\n")

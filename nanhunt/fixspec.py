@@ -5,7 +5,8 @@ A spec names one change a user could make to their training script::
     fp32:PATTERN[,PATTERN...]   run these modules in float32 (autocast off, inputs cast up),
                                 each output cast back to the half-precision dtype
     fp32:START[,...]..END[,...] a float32 region: START's modules keep a float32 output, which
-                                runs on (by type promotion) to END's modules, cast back there
+                                runs on (by type promotion) to END's modules, cast back there;
+                                ``fp32:START..`` keeps the output float32 (no cast back)
     clamp:PATTERN=VALUE         clamp these modules' outputs to [-VALUE, VALUE]
     floor:PATTERN:OP=VALUE      inside these modules, floor OP's input at VALUE
                                 (OP: log, log2, log10, sqrt, rsqrt, reciprocal, div, pow)
@@ -32,7 +33,9 @@ from __future__ import annotations
 
 import ast
 import json
+import linecache
 import math
+import re
 from dataclasses import dataclass, field
 
 from .errors import NanhuntError
@@ -111,8 +114,8 @@ def parse_fix(text: str) -> FixSpec:
         if kind == "fp32":
             start, dots, end = rest.rpartition("..")
             starts = tuple(p.strip() for p in start.split(",")) if dots else ()
-            ends = tuple(p.strip() for p in end.split(","))
-            if not all(starts + ends) or not end:
+            ends = tuple(p.strip() for p in end.split(",")) if end or not dots else ()
+            if not all(starts + ends) or not (starts + ends):
                 raise NanhuntError(f"--fix {spec}: give module name patterns (fp32:PATTERN, "
                                    "fp32:START..END)")
             return FixSpec("fp32", starts + ends, ends=len(ends))
@@ -186,23 +189,31 @@ import fnmatch
 import torch
 
 
+def _cast(x, dtype):
+    floating = torch.is_tensor(x) and x.is_floating_point()
+    return x.to(dtype) if floating else x
+
+
 def run_in_float32(model, pattern, cast_back=None, device="{device}"):
-    """Run the submodules named like `pattern` (not those inside one) in float32 with
-    autocast off; cast a tensor output to `cast_back` (None: it stays float32)."""
-    names = [n for n, _ in model.named_modules() if fnmatch.fnmatchcase(n, pattern)]
+    """Run submodules named like `pattern` (not those inside one) in float32
+    with autocast off; cast a tensor output to `cast_back` (None: float32)."""
+    names = [n for n, _ in model.named_modules()
+             if fnmatch.fnmatchcase(n, pattern)]
     for name in names:
         if any(name.startswith(outer + ".") for outer in names):
             continue  # already inside a float32 module
         module = model.get_submodule(name).float()
 
         def forward(*args, _forward=module.forward, **kwargs):
-            up = lambda x: x.float() if torch.is_tensor(x) and x.is_floating_point() else x
+            args = [_cast(a, torch.float32) for a in args]
+            kwargs = {{k: _cast(v, torch.float32) for k, v in kwargs.items()}}
             with torch.autocast(device, enabled=False):
-                out = _forward(*map(up, args), **{{k: up(v) for k, v in kwargs.items()}})
-            down = lambda x: x.to(cast_back) if torch.is_tensor(x) and x.is_floating_point() else x
+                out = _forward(*args, **kwargs)
             if cast_back is None:
                 return out
-            return tuple(map(down, out)) if type(out) is tuple else down(out)
+            if type(out) is tuple:
+                return tuple(_cast(o, cast_back) for o in out)
+            return _cast(out, cast_back)
 
         module.forward = forward
 '''
@@ -212,7 +223,8 @@ import torch
 
 
 def step_with_fp32_master(optimizer, masters):
-    """optimizer.step() on float32 copies of half-precision weights; `masters` keeps them."""
+    """optimizer.step() on float32 copies of half-precision weights
+    (`masters` keeps the copies between steps)."""
     swapped = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -261,8 +273,10 @@ def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
                 lines.append(f"run_in_float32({ref}, {_q(rel)}, cast_back=torch.{ctx.low})")
             elif last:
                 lines.append(f"run_in_float32({ref}, {_q(rel)})")
+            elif spec.ends:
+                lines.append(f"run_in_float32({ref}, {_q(rel)})  # float32 onward")
             else:
-                lines.append(f"run_in_float32({ref}, {_q(rel)})  # float32 on into the region")
+                lines.append(f"run_in_float32({ref}, {_q(rel)})  # its output stays float32")
         head = ["import torch", ""] if ctx.low else []
         return Snippet("\n".join(head + lines), FP32_HELPER.format(device=ctx.device))
     if spec.kind == "clamp":
@@ -315,9 +329,14 @@ def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
 def _floor_snippet(spec: FixSpec, ctx: SnippetContext) -> str:
     """The source line with the op's input floored, or a template of it."""
     op, v = spec.op or "", number(spec.value)
-    where = f"# {ctx.source}: " if ctx.source else f"# in {spec.patterns[0]}: "
+    short = ctx.source.replace("\\", "/").rsplit("/", 1)[-1] if ctx.source else None
+    where = f"# {short}: " if short else f"# in {spec.patterns[0]}: "
     line = (ctx.source_line or "").strip()
     edited = _edit_line(line, op, v) if line else None
+    if edited is not None and re.match(r"(return|yield)\b", edited):
+        head = _enclosing_def(ctx.source)  # `return` needs its function to be valid code
+        if head is not None:
+            return f"{where}{line}\n{head}\n    ...  # the lines before, unchanged\n    {edited}"
     if edited is not None:
         return f"{where}{line}\n{edited}"
     template = {
@@ -325,6 +344,23 @@ def _floor_snippet(spec: FixSpec, ctx: SnippetContext) -> str:
         "pow": f"y = x.clamp_min({v}) ** p",
     }.get(op, f"y = torch.{op}(x.clamp_min({v}))")
     return where.rstrip() + f" {op}\n{template}"
+
+
+def _enclosing_def(source: str | None) -> str | None:
+    """The ``def`` line of the function around ``path:line``, dedented."""
+    if not source or ":" not in source:
+        return None
+    path, _, num = source.rpartition(":")
+    if not num.isdigit():
+        return None
+    lines = [linecache.getline(path, i) for i in range(int(num), 0, -1)]
+    here = lines[0]
+    indent = len(here) - len(here.lstrip())
+    for text in lines[1:]:
+        stripped = text.lstrip()
+        if stripped.startswith(("def ", "async def ")) and len(text) - len(stripped) < indent:
+            return stripped.rstrip()
+    return None
 
 
 class _Floor(ast.NodeTransformer):

@@ -47,6 +47,9 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
     if trace.diagnosis is not None and trace.diagnosis.severity == "error":
         trace.problem = True  # e.g. a misused GradScaler before anything went non-finite
     _guard(trace, "advice", advise, trace)
+    from .remedies import attach_fixes
+
+    _guard(trace, "fix specs", attach_fixes, trace)
     if snapshot is not None:
         _guard(trace, "verification", zoom.verify, trace, snapshot)
     for rec in trace.recommendations:
@@ -74,8 +77,11 @@ def _promote_severe_underflow(trace: Trace) -> None:
 
 
 def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool = False,
-                       ctx: Any = None, show_all: bool = False, quiet: bool = False) -> Trace:
-    """Build the trace from a finished session, analyse it and write every report form."""
+                       ctx: Any = None, show_all: bool = False, quiet: bool = False,
+                       rerun: Any = None) -> Trace:
+    """Build the trace from a finished session, analyse it, verify its recommendations by
+    re-running the script (``rerun``: a :class:`nanhunt.verify.RerunConfig`) and write every
+    report form."""
     from .report import render_terminal, write_reports
 
     try:
@@ -87,9 +93,10 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
     if distributed:
         ctx.leave()  # peers waiting for this rank's next step-end vote stop now
     # each rank keeps its own snapshot (OUT/ranks/rank-<r>/); rank 0 merges, only it reports
+    # a verification re-run is judged by its steps and first failure: no replays, no snapshot
     analyse(
         trace,
-        hunt.snapshot,
+        None if run.rerun else hunt.snapshot,
         strict=strict,
         out_dir=ctx.rank_dir(out_dir) if distributed else out_dir,
     )
@@ -97,7 +104,11 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
         trace = _guard(trace, "merging ranks", ctx.merge, trace, out_dir) or trace
         if ctx.rank != 0:
             return trace
-    paths = _write(trace, out_dir, write_reports)
+    if rerun is not None:
+        from .verify import verify_by_rerun
+
+        _guard(trace, "re-run verification", verify_by_rerun, trace, rerun, out_dir)
+    paths = _write(trace, out_dir, write_reports, ("json",) if run.rerun else None)
     if not quiet:
         from rich.console import Console
 
@@ -109,9 +120,10 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
     return trace
 
 
-def _write(trace: Trace, out_dir: Path, write_reports: Any) -> dict:
+def _write(trace: Trace, out_dir: Path, write_reports: Any,
+           formats: tuple[str, ...] | None = None) -> dict:
     try:
-        return write_reports(trace, out_dir)
+        return write_reports(trace, out_dir, **({"formats": formats} if formats else {}))
     except Exception as exc:
         # last resort: the JSON alone, so that nothing is lost
         print(f"nanhunt: writing the reports failed ({type(exc).__name__}: {exc}); "
