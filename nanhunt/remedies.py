@@ -23,9 +23,10 @@ __all__ = ["attach_fixes", "ladder", "verify_order"]
 #: types a fix spec installs; the others need a code change
 _INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "lower_lr")
 #: which recommendation types re-run verification tries first (most likely to cure first):
-#: a floor or eps removes the invalid op, float32 keeps the values, a clamp bounds a symptom
-_PRIORITY = {"eps": 0, "fp32_module": 1, "clamp_op": 0, "init_scale": 2, "clip_grad_norm": 3,
-             "lower_lr": 4, "clamp": 5}
+#: a floor removes the invalid op (an eps too, when the module has one), float32 keeps the
+#: values, a clamp only bounds a symptom
+_PRIORITY = {"clamp_op": 0, "eps": 1, "fp32_module": 2, "init_scale": 3, "clip_grad_norm": 4,
+             "lower_lr": 5, "clamp": 6}
 _DEFAULT_GROWTH_INTERVAL = 2000
 
 
@@ -178,6 +179,13 @@ def _model_name(trace: Trace) -> str | None:
     return None
 
 
+def _contains_more(text: str, culprit: FixSpec) -> bool:
+    """Whether an fp32 rung runs more than the culprit (and its siblings) in float32."""
+    spec = parse_fix(text)
+    own = {module_pattern(p) for p in culprit.patterns} | set(culprit.patterns)
+    return not set(spec.patterns) <= own
+
+
 def ladder(rec: Recommendation, trace: Trace) -> list[list[str]]:
     """The fixes re-run verification tries for ``rec``, narrowest first (duplicates dropped)."""
     if not rec.fix:
@@ -186,6 +194,10 @@ def ladder(rec: Recommendation, trace: Trace) -> list[list[str]]:
     rungs: list[list[str]] = [list(rec.fix)]
     if first.kind == "fp32":
         rungs += [[r] for r in _fp32_rungs(rec, trace)]
+        if rec.data.get("fp32_exceeds"):
+            # the replay showed its float32 output above the max: casting it back right after
+            # it (alone or with its siblings) gives inf again, so start where a region does
+            rungs = [r for r in rungs if ".." in r[0] or _contains_more(r[0], first)]
     elif first.kind == "clamp":
         block = (_blocks_of(first.patterns[0]) or [_parent(first.patterns[0])])[0]
         if block:

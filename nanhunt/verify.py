@@ -14,7 +14,10 @@ their reports.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
+import select
 import shutil
 import signal
 import subprocess
@@ -22,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .fixspec import parse_fix
 from .remedies import ladder, set_fix, verify_order
@@ -187,8 +191,37 @@ def _last_progress(path: Path) -> str:
     return lines[-1] if lines else ""
 
 
-def _run_child(cfg: RerunConfig, fixes: list[str], out: Path, steps: int, timeout: float,
-               progress: _Progress, label: str) -> tuple[int, str, bool]:
+class _Server:
+    """The fork server (nanhunt._forkserver), started at the first re-run; None where the
+    platform cannot fork (each re-run is then a fresh process)."""
+
+    def __init__(self, cfg: RerunConfig) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.startup = 0.0  # its imports, paid once (the original run paid them too)
+        if hasattr(os, "fork"):
+            t0 = time.monotonic()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "nanhunt._forkserver"], cwd=cfg.cwd, env=cfg.env,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True, bufsize=1)
+            if not self.proc.stdout.readline():  # type: ignore[union-attr]
+                self.close()  # it could not start: each re-run is a fresh process
+            self.startup = time.monotonic() - t0
+
+    def close(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+def _run_child(cfg: RerunConfig, server: _Server | None, fixes: list[str], out: Path, steps: int,
+               timeout: float, progress: _Progress, label: str) -> tuple[int, str, bool]:
     """Run one re-run: (exit status, the tail of its output, whether it ran out of time).
     Ctrl-C stops it."""
     out.mkdir(parents=True, exist_ok=True)
@@ -196,29 +229,66 @@ def _run_child(cfg: RerunConfig, fixes: list[str], out: Path, steps: int, timeou
                NANHUNT_SCRATCH=str((out / "files").resolve()),
                NANHUNT_PROGRESS=str((out / "progress.txt").resolve()))
     log_path = out / "output.txt"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(_child_command(cfg, fixes, out.resolve(), steps), cwd=cfg.cwd,
-                                env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-        start = time.monotonic()
-        timed_out = False
-        try:
-            while proc.poll() is None:
-                if time.monotonic() - start > timeout:
-                    _stop(proc)
-                    timed_out = True
-                    break
-                last = _last_progress(out / "progress.txt")
-                progress.live(f"nanhunt  {label}" + (f"  {last}" if last else ""))
-                time.sleep(0.2)
-        except KeyboardInterrupt:
-            _stop(proc)
-            raise
-    tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
-    return (proc.returncode if proc.returncode is not None else -1), tail, timed_out
+    argv = _child_command(cfg, fixes, out.resolve(), steps)
+    if server is not None and server.proc is not None and server.proc.poll() is None:
+        child: Any = _Forked(server.proc, {"argv": argv[3:], "cwd": cfg.cwd, "env": env,
+                                           "log": str(log_path.resolve())})
+    else:
+        with open(log_path, "wb") as log:
+            child = subprocess.Popen(argv, cwd=cfg.cwd, env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    start = time.monotonic()
+    timed_out = False
+    try:
+        while child.poll() is None:
+            if time.monotonic() - start > timeout:
+                _stop(child)
+                timed_out = True
+                break
+            last = _last_progress(out / "progress.txt")
+            progress.live(f"nanhunt  {label}" + (f"  {last}" if last else ""))
+    except KeyboardInterrupt:
+        _stop(child)
+        raise
+    tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:] \
+        if log_path.exists() else ""
+    return (child.returncode if child.returncode is not None else -1), tail, timed_out
 
 
-def _stop(proc: subprocess.Popen) -> None:
+class _Forked:
+    """A re-run forked by the server, with the subset of Popen that _run_child uses."""
+
+    def __init__(self, server: subprocess.Popen, request: dict) -> None:
+        self.server = server
+        self.returncode: int | None = None
+        server.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
+        server.stdin.flush()  # type: ignore[union-attr]
+        self.pid = int(json.loads(server.stdout.readline())["pid"])  # type: ignore[union-attr]
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            ready, _, _ = select.select([self.server.stdout], [], [], 0.2)
+            if ready:
+                line = self.server.stdout.readline()  # type: ignore[union-attr]
+                self.returncode = int(json.loads(line)["code"]) if line else -1
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.poll() is None:
+            if time.monotonic() > end:
+                raise subprocess.TimeoutExpired("re-run", timeout or 0)
+        return int(self.returncode or 0)
+
+
+def _stop(proc: Any) -> None:
     with contextlib.suppress(OSError):
         proc.send_signal(signal.SIGINT)
     try:
@@ -271,13 +341,16 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
     shutil.rmtree(scratch, ignore_errors=True)
     start = time.monotonic()
     winner: Recommendation | None = None
+    server: _Server | None = None
+    last_seconds = 0.0
     try:
+        server = _Server(cfg)
         for rec in candidates:
             for rung in ladder(rec, trace):
                 spent = time.monotonic() - start
                 if v.tries >= cfg.tries:
                     break
-                estimate = max((t.seconds for r in candidates for t in r.tries), default=0.0)
+                estimate = last_seconds  # the next re-run takes about as long as the last
                 if v.tries and spent + estimate > v.budget_seconds:
                     v.note = (f"stopped after {v.tries} re-runs: the time budget "
                               f"({v.budget_seconds:.0f} s, {BUDGET_FACTOR:g}x the script's time "
@@ -289,8 +362,8 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                 t0 = time.monotonic()
                 # a re-run already going gets to finish unless it runs far past the budget
                 limit = max(v.budget_seconds - spent, 2.0 * (cfg.script_seconds or 10.0) + 10.0)
-                code, tail, timed_out = _run_child(cfg, rung, out, steps, limit, progress,
-                                                   label)
+                code, tail, timed_out = _run_child(cfg, server, rung, out, steps, limit,
+                                                   progress, label)
                 result = judge(trace, _load(out / "report.json"), steps, exit_code=code,
                                output_tail=tail)
                 if timed_out:
@@ -298,7 +371,7 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                     result.reason = (f"stopped after {limit:.0f} s, past the time budget "
                                      f"({result.steps} steps run)")
                 result.fixes = rung
-                result.seconds = round(time.monotonic() - t0, 2)
+                result.seconds = last_seconds = round(time.monotonic() - t0, 2)
                 result.report = str(Path(RERUN_DIR) / f"try-{v.tries}" / "report.json")
                 rec.tries.append(result)
                 _collect_redirects(out, v)
@@ -317,6 +390,8 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         v.note = "re-run verification was interrupted (Ctrl-C); what it found so far is kept"
         progress.say("nanhunt: " + v.note)
     finally:
+        if server is not None:
+            server.close()
         progress.clear()
         v.seconds = round(time.monotonic() - start, 2)
     _label(trace, winner, v)

@@ -32,7 +32,7 @@ def reports(tmp_path_factory):
 
 def _diagnose(run_cli, reports, script):
     if script not in reports:
-        res = run_cli("diagnose", "--quiet", str(EXAMPLES / script))
+        res = run_cli("diagnose", "--quiet", str(EXAMPLES / script), verify=True)
         assert res.code == 1, res.stderr
         reports[script] = res.report
     return reports[script]

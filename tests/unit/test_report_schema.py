@@ -13,6 +13,7 @@ from nanhunt.trace import (
     SCHEMA_VERSION,
     Failure,
     Finding,
+    FixTry,
     LayerStats,
     OpRecord,
     RankSummary,
@@ -22,6 +23,7 @@ from nanhunt.trace import (
     StepRecord,
     TensorStats,
     Trace,
+    Verification,
 )
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "report-schema.md"
@@ -37,6 +39,8 @@ SECTIONS = {
     Recommendation: "Recommendation",
     OpRecord: "OpRecord",
     RankSummary: "RankSummary",
+    FixTry: "FixTry",
+    Verification: "Verification",
 }
 
 
