@@ -24,6 +24,7 @@ __all__ = [
     "Finding",
     "FixTry",
     "LayerStats",
+    "LayerStep",
     "OpRecord",
     "RankSummary",
     "Recommendation",
@@ -165,6 +166,17 @@ class LayerStats:
     forward_amax_by_step: dict[int, float] = field(default_factory=dict)
     backward_amax_by_step: dict[int, float] = field(default_factory=dict)
     param_amax_by_step: dict[int, float] = field(default_factory=dict)  # after each update
+
+
+@dataclass
+class LayerStep:
+    """One module's ranges in one step, for per-step views (TensorBoard): kept for the last
+    ``keep_steps`` steps only, so that a report stays small."""
+
+    module: str
+    step: int
+    forward: TensorStats | None = None  # outputs
+    backward: TensorStats | None = None  # gradients w.r.t. outputs, as computed (scaled)
 
 
 @dataclass
@@ -314,6 +326,10 @@ class RunInfo:
     status: str = "complete"  # complete | stopped | crashed | interrupted | running
     error: str | None = None
     exit_code: int | None = None
+    # where the target came from: option | autocast | parameters | precision (a framework's
+    # setting, e.g. Lightning's "bf16-mixed") | default (nothing ran in low precision)
+    target_source: str = ""
+    framework: str = ""  # "lightning 2.6.6", "transformers 5.24.0" when a callback recorded it
     fixes: list[str] = field(default_factory=list)  # --fix specs installed in this run
     rerun: bool = False  # a verification re-run (NANHUNT_RERUN=1)
 
@@ -339,6 +355,8 @@ class Trace:
     snapshot: str | None = None  # file name of the culprit snapshot, beside the report
     # unscaled gradient exponent histograms (binade -> count) by the gradients' dtype
     grad_hist: dict[str, dict[int, int]] = field(default_factory=dict)
+    # per-module, per-step ranges of the last keep_steps steps (for nanhunt report --tensorboard)
+    layer_steps: list[LayerStep] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # limits of this report (e.g. a stage failed)
     verification: Verification | None = None  # re-run verification, when it ran
     schema_version: int = SCHEMA_VERSION
