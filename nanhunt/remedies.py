@@ -21,13 +21,12 @@ from .trace import Recommendation, Trace
 __all__ = ["attach_fixes", "ladder", "verify_order"]
 
 #: types a fix spec installs; the others need a code change
-_INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "lower_lr",
-                "fp32_master_weights")
+_INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "lower_lr")
 #: which recommendation types re-run verification tries first (most likely to cure first):
 #: a floor removes the invalid op (an eps too, when the module has one), float32 keeps the
 #: values, a clamp only bounds a symptom
-_PRIORITY = {"clamp_op": 0, "eps": 1, "fp32_master_weights": 1, "fp32_module": 2,
-             "init_scale": 3, "clip_grad_norm": 4, "lower_lr": 5, "clamp": 6}
+_PRIORITY = {"clamp_op": 0, "eps": 1, "fp32_module": 2, "init_scale": 3, "clip_grad_norm": 4,
+             "lower_lr": 5, "clamp": 6}
 _DEFAULT_GROWTH_INTERVAL = 2000
 
 
@@ -77,8 +76,6 @@ def specs_for(rec: Recommendation, trace: Trace) -> list[FixSpec]:
         return [parse_fix(f"clip={number(float(rec.value))}")]
     if rec.type == "lower_lr":
         return [parse_fix(f"lr-factor={number(float(rec.value))}")]
-    if rec.type == "fp32_master_weights":
-        return [parse_fix("fp32-master")]
     return []
 
 
