@@ -93,7 +93,8 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         proc = subprocess.run(
             # --verify 0: re-run verification is tested in test_verify_rerun.py
             [sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--verify", "0",
-             str(SCRIPTS / script), *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=_env())
+             str(SCRIPTS / script), *args],
+            cwd=cwd, capture_output=True, text=True, timeout=600, env=_env())
         return Run(proc, cwd / "nanhunt-report")
 
     # the runs wait on imports and the shared machine more than they compute: overlap them
