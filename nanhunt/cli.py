@@ -32,6 +32,8 @@ from .errors import NanhuntError
 __all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_SCRIPT_FAILED", "EXIT_USAGE",
            "entry", "main", "split_argv"]
 
+_STARTED = time.monotonic()  # the script's time to its failure is measured from here
+
 # the parser, argv splitting and exit codes live in cli_args (distributed.py needs them too)
 _diagnose_parser, _Parser, _EXIT_CODES = diagnose_parser, Parser, EXIT_CODES
 
@@ -177,6 +179,12 @@ def cmd_diagnose(argv: Sequence[str]) -> int:
                                                             opts.nproc_per_node)):
         if value is not None and value < 1:
             raise NanhuntError(f"{name} must be at least 1")
+    if opts.verify < 0:
+        raise NanhuntError("--verify must be 0 or more")
+    from .fixspec import parse_fix
+
+    for spec in opts.fix:
+        parse_fix(spec)  # a malformed spec is a usage error before anything runs
     from .runner import Target, TargetMissing
 
     target = Target(script=script, module=module, args=script_args)
@@ -210,10 +218,20 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
 
     from .capture import Hunt, StopRun
     from .distributed import RankContext
+    from .fixes import FixMismatch, RunFixes
     from .runner import print_user_traceback, run_target
 
     ctx = RankContext.from_env(out_dir)
     live = _LiveLine(enabled=not opts.quiet and ctx.rank == 0)
+    fixes = RunFixes(opts.fix)
+    failed_at: list[float] = []
+
+    def on_step(rec: Any, hunt: Any) -> None:
+        live.update(rec, hunt)
+        fixes.on_step(rec)
+        if hunt.first_failure is not None and not failed_at:
+            failed_at.append(time.monotonic() - _STARTED)
+
     hunt = Hunt(
         target=opts.target,
         keep_steps=opts.keep_steps,
@@ -221,7 +239,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
         sample_every=opts.sample_every,
         stop_on_problem=not opts.keep_going,
         max_steps=opts.max_steps,
-        on_step=ctx.step_hook(live.update),  # distributed: every rank stops at the same step
+        on_step=ctx.step_hook(on_step),  # distributed: every rank stops at the same step
     )
     run = _run_info(argv, target.argv0, torch.__version__)
     run.world_size = ctx.world_size
@@ -234,18 +252,25 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     if ctrl_c.pressed:  # pressed during the imports and swallowed there: do not start
         raise KeyboardInterrupt
     ctrl_c.uninstall()
+    fixes.install()  # before the session, so that nanhunt observes the fixed program
+    outcome = None
     hunt.start()
     try:
         with live:
-            outcome = run_target(target, (StopRun, _Terminated))
+            outcome = run_target(target, (StopRun, _Terminated, FixMismatch))
     finally:
         ctrl_c.install(raising=False)
         if old_term is not None and ctx.distributed:
             # torchrun sends SIGTERM to every worker once one fails: finish the report first
             signal.signal(signal.SIGTERM, ctx.defer_sigterm)
         hunt.stop()
+        mismatch = fixes.uninstall(completed=_ran_to_end(outcome))
         if old_term is not None and not ctx.distributed:
             signal.signal(signal.SIGTERM, old_term)
+    if isinstance(outcome.error, FixMismatch) or mismatch:
+        raise NanhuntError(outcome.error.message if isinstance(outcome.error, FixMismatch)
+                           else mismatch)
+    run.fixes, run.rerun = list(opts.fix), fixes.rerun
     if isinstance(outcome.error, _Terminated):
         outcome.status, outcome.exit_code = "interrupted", EXIT_TERMINATED
     run.finished = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -264,7 +289,13 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
                 f"nanhunt: first non-finite value at {hunt.first_failure.where()}")
         print_user_traceback(outcome.error)
     from .pipeline import analyse_and_report
+    from .verify import RerunConfig
 
+    rerun = RerunConfig(
+        script=target.script, module=target.module, args=list(target.args), cwd=os.getcwd(),
+        env=dict(os.environ), tries=opts.verify, max_steps=opts.max_steps,
+        options=_rerun_options(opts), quiet=opts.quiet,
+        script_seconds=round(failed_at[0] if failed_at else time.monotonic() - _STARTED, 2))
     try:
         trace = analyse_and_report(
             hunt,
@@ -274,6 +305,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
             ctx=ctx,
             show_all=opts.show_all,
             quiet=opts.quiet,
+            rerun=rerun,
             ctrl_c=ctrl_c,
         )
     finally:
@@ -282,6 +314,22 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     code = ctx.exit_code(_exit_code(trace, outcome, opts.strict), trace)
     run.exit_code = code
     return code
+
+
+def _ran_to_end(outcome: Any) -> bool:
+    """Whether the script ran to its end (a fix that never applied is then an error)."""
+    return outcome is not None and outcome.status in ("complete", "exited")
+
+
+def _rerun_options(opts: argparse.Namespace) -> list[str]:
+    """The options a verification re-run keeps from this run (its --fix are added to them)."""
+    out = ["--target", opts.target] if opts.target else []
+    out += ["--keep-steps", str(opts.keep_steps), "--sample-every", str(opts.sample_every)]
+    for pattern in opts.allow_inf:
+        out += ["--allow-inf", pattern]
+    for spec in opts.fix:
+        out += ["--fix", spec]
+    return out
 
 
 def _main_thread() -> bool:

@@ -24,7 +24,10 @@ from ._common import (
     HiddenSteps,
     ModuleRow,
     bad_samples_text,
+    check_detail,
+    check_label,
     first_line,
+    fix_options,
     fmt_binades,
     fmt_compact,
     fmt_num,
@@ -42,8 +45,10 @@ from ._common import (
     scaler_notes,
     shape_text,
     target_format,
+    try_line,
     values_summary,
     verdict,
+    verification_lines,
 )
 
 __all__ = ["render_terminal"]
@@ -95,8 +100,11 @@ def render_terminal(
         _precision.terminal_section(console, trace, show_all=show_all, max_layers=max_layers)
     if trace.recommendations:
         _section(console, "Recommendations")
+        shown: list[str] = []
         for i, rec in enumerate(trace.recommendations, 1):
-            console.print(_recommendation(i, rec))
+            console.print(_recommendation(i, rec, shown))
+        if verification_lines(trace):
+            console.print(_bullets(verification_lines(trace), indent=0, style="dim"))
     if trace.facts:
         _section(console, "Facts (non-finite values that were not failures)")
         _facts(console, trace, show_all)
@@ -318,7 +326,7 @@ def _timeline(trace: Trace, show_all: bool) -> Table:
     return table
 
 
-def _recommendation(i: int, rec: Recommendation) -> Group:
+def _recommendation(i: int, rec: Recommendation, shown: list[str]) -> Group:
     head = Text(f"{i}. ", style="bold")
     head.append(rec.type, style="bold cyan")
     value = fmt_value(rec.value)
@@ -328,14 +336,13 @@ def _recommendation(i: int, rec: Recommendation) -> Group:
     if value and value != rec.module:
         head.append(" · value ")
         head.append(value, style="bold")
-    check = (
-        Text("verified", style="bold green")
-        if rec.verified
-        else Text("not verified", style="yellow")
-    )
-    if rec.verification:
-        check.append(": " + rec.verification, style="")
-    mark = Text("✓", style="bold green") if rec.verified else Text("✗", style="yellow")
+    label, level = check_label(rec)
+    style = {"ok": "bold green", "warn": "cyan", "plain": "yellow"}[level]
+    check = Text(label, style=style)
+    detail = check_detail(rec)
+    if detail:
+        check.append(": " + detail, style="")
+    mark = Text("✓" if rec.verified else ("~" if level == "warn" else "✗"), style=style)
     status = Table.grid(padding=(0, 1))
     status.add_column(no_wrap=True)
     status.add_column(overflow="fold")
@@ -343,18 +350,38 @@ def _recommendation(i: int, rec: Recommendation) -> Group:
     parts: list[RenderableType] = [head, Padding(status, (0, 0, 0, 3))]
     if rec.evidence:
         parts.append(_bullets(rec.evidence, indent=3, style="dim"))
-    if rec.snippet:
-        code = Syntax(
-            rec.snippet.rstrip("\n"),
-            "python",
-            theme="ansi_dark",
-            background_color="default",
-            word_wrap=True,
-        )
-        parts.append(Padding(code, (1, 0, 1, 3)))
+    if len(rec.tries) > 1 or (rec.tries and not rec.verified):
+        parts.append(_bullets([try_line(k, t) for k, t in enumerate(rec.tries, 1)], indent=3,
+                              style="dim"))
+    if rec.fix:
+        parts.append(Padding(Text("nanhunt diagnose " + fix_options(rec) + " ...",
+                                  style="bold"), (1, 0, 0, 3)))
+    elif rec.code_change:
+        parts.append(Padding(Text("needs a code change (no --fix installs it)", style="dim"),
+                             (1, 0, 0, 3)))
+    code = rec.snippet.rstrip("\n")
+    if rec.helper and rec.helper not in shown:
+        shown.append(rec.helper)
+        code = rec.helper.rstrip("\n") + "\n\n\n" + code
+    elif rec.helper:
+        code = f"# uses {_helper_name(rec.helper)}, shown above\n" + code
+    if code:
+        parts.append(Padding(_code(code), (1, 0, 1, 3)))
     else:
         parts.append(Text())
     return Group(*parts)
+
+
+def _helper_name(helper: str) -> str:
+    for line in helper.splitlines():
+        if line.startswith("def "):
+            return line[4:].split("(")[0] + "()"
+    return "the helper"
+
+
+def _code(code: str) -> Syntax:
+    return Syntax(code, "python", theme="ansi_dark", background_color="default",
+                  word_wrap=True)
 
 
 def _facts(console: Console, trace: Trace, show_all: bool) -> None:

@@ -14,6 +14,7 @@ from nanhunt.trace import (
     CastCounts,
     Failure,
     Finding,
+    FixTry,
     LayerStats,
     LayerStep,
     OpRecord,
@@ -27,6 +28,7 @@ from nanhunt.trace import (
     StepRecord,
     TensorStats,
     Trace,
+    Verification,
 )
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "report-schema.md"
@@ -47,6 +49,8 @@ SECTIONS = {
     PrecisionAudit: "PrecisionAudit",
     PrecisionLayer: "PrecisionLayer",
     PrecisionLoss: "PrecisionLoss",
+    FixTry: "FixTry",
+    Verification: "Verification",
 }
 
 
