@@ -67,7 +67,7 @@ def render_terminal(
     >>> out = io.StringIO()
     >>> render_terminal(Trace(), Console(file=out, width=80, color_system=None))
     >>> out.getvalue().splitlines()[1].strip("│ ")
-    'OK: no non-finite values; 0 warnings'
+    'the script exited before any training step'
     """
     fmt = target_format(trace)
     console.print(_verdict_panel(trace, fmt))
@@ -90,6 +90,11 @@ def render_terminal(
         _section(console, "Recommendations")
         for i, rec in enumerate(trace.recommendations, 1):
             console.print(_recommendation(i, rec))
+            if rec.snippet:
+                # soft_wrap: code is never wrapped nor cropped, so that a pasted snippet is the
+                # snippet; a line wider than the terminal overflows it
+                console.print(_snippet(rec.snippet), soft_wrap=True)
+                console.print()
     if trace.facts:
         _section(console, "Facts (non-finite values that were not failures)")
         _facts(console, trace, show_all)
@@ -112,6 +117,8 @@ def _verdict_panel(trace: Trace, fmt: NumberFormat) -> Panel:
     if v.partial:
         body.append(v.partial + "\n", style="bold yellow")
     body.append(v.headline, style=_VERDICT_STYLE[v.level])
+    if v.note:
+        body.append("\n" + v.note, style="bold")
     facts = _run_line(trace, fmt)
     if facts:
         body.append("\n" + facts, style="dim")
@@ -214,8 +221,9 @@ def _more(console: Console, hidden: int, what: str) -> None:
 
 
 # the module table's numeric columns and their widths; "type" gets 9 to 14 columns
+# (each as wide as its longest value: fmt_num 8, fmt_binades 5, fmt_pct 5, fmt_compact 5)
 _NUMBER_COLUMNS = (("fwd\namax", 8), ("bwd\namax", 8), ("head-\nroom", 5),
-                   ("under\nflow", 5), ("nan/\ninf", 4))  # fmt: skip
+                   ("under\nflow", 5), ("nan/\ninf", 5))  # fmt: skip
 _SEPARATORS = 2 * (len(_NUMBER_COLUMNS) + 1)  # padding and divider after each column but the last
 
 
@@ -288,7 +296,9 @@ def _timeline(trace: Trace, show_all: bool) -> Table:
     table.add_column("note", overflow="fold", ratio=1)
     for item in fold_steps(trace, show_all=show_all):
         if isinstance(item, HiddenSteps):
-            table.add_row("…", "", "", "", "", Text(item.describe(), style="dim"))
+            # a mark in every column where its values sit, the text where notes start
+            mark = Text("⋮", style="dim")
+            table.add_row(mark, mark, mark, mark, mark, Text(item.describe(), style="dim"))
             continue
         s = item
         note = []
@@ -336,18 +346,17 @@ def _recommendation(i: int, rec: Recommendation) -> Group:
     parts: list[RenderableType] = [head, Padding(status, (0, 0, 0, 3))]
     if rec.evidence:
         parts.append(_bullets(rec.evidence, indent=3, style="dim"))
-    if rec.snippet:
-        code = Syntax(
-            rec.snippet.rstrip("\n"),
-            "python",
-            theme="ansi_dark",
-            background_color="default",
-            word_wrap=True,
-        )
-        parts.append(Padding(code, (1, 0, 1, 3)))
-    else:
-        parts.append(Text())
+    parts.append(Text())  # the snippet, if any, follows: see _snippet
     return Group(*parts)
+
+
+def _snippet(snippet: str, indent: str = "   ") -> Text:
+    """The snippet highlighted, each line indented, for printing with ``soft_wrap=True``."""
+    code = snippet.rstrip("\n")
+    text = Syntax(code, "python", theme="ansi_dark", background_color="default").highlight(code)
+    text.rstrip()
+    lines = text.split("\n", allow_blank=True)
+    return Text("\n").join(Text.assemble(indent, line) if line.plain else line for line in lines)
 
 
 def _facts(console: Console, trace: Trace, show_all: bool) -> None:
@@ -422,7 +431,9 @@ def _rank_timeline(steps: list[StepRecord], ff: Failure | None, show_all: bool) 
     items = fold_step_list(steps, fail_step, head=2, tail=2, notable=4, show_all=show_all)
     for item in items:
         if isinstance(item, HiddenSteps):
-            table.add_row("…", "", "", "", "", Text(item.describe(), style="dim"))
+            # a mark in every column where its values sit, the text where notes start
+            mark = Text("⋮", style="dim")
+            table.add_row(mark, mark, mark, mark, mark, Text(item.describe(), style="dim"))
             continue
         s = item
         note = "first failure" if s.index == fail_step else ("non-finite" if s.nonfinite else "")
