@@ -188,6 +188,10 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     elif outcome.status in ("crashed", "interrupted") and outcome.error is not None:
         run.error = f"{type(outcome.error).__name__}: {outcome.error}".strip().rstrip(":")
     if outcome.status == "crashed" and outcome.error is not None:
+        from .crash import describe_crash
+
+        # where in the user's code it raised, and which module ran: rules name the cause
+        hunt.crash = describe_crash(outcome.error, hunt.naming.released, step=hunt.step)
         if hunt.first_failure is not None and hasattr(outcome.error, "add_note"):
             outcome.error.add_note(
                 f"nanhunt: first non-finite value at {hunt.first_failure.where()}")

@@ -51,6 +51,8 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
     _guard(trace, "advice", advise, trace)
     if snapshot is not None:
         _guard(trace, "verification", zoom.verify, trace, snapshot)
+    if optimizer_snapshot is not None:
+        _guard(trace, "optimizer verification", zoom.verify_optimizer, trace, optimizer_snapshot)
     for rec in trace.recommendations:
         if not rec.verification:
             rec.verification = zoom.why_not_verified(rec.type, captured=snapshot is not None)

@@ -183,7 +183,10 @@ class OptimizerObserver(Part):
         found_inf = bool(sum(float(f) for f in found)) if found else False
         if found_inf:
             self.rec.data_for(self.s._step).applied_anyway = True
-        self.s._misuse("optimizer_outside_scaler_step", found_inf=found_inf)
+        # STEPPED: scaler.step(optimizer) already ran this step, and this is a second step
+        code = "optimizer_stepped_twice" if stage == "STEPPED" else \
+            "optimizer_outside_scaler_step"
+        self.s._misuse(code, found_inf=found_inf)
 
     def _copy_before_step(self, optimizer: Any) -> None:
         """Low-precision parameters: keep a copy of what this step reads, to replay it when it
