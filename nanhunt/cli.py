@@ -125,6 +125,12 @@ def cmd_diagnose(argv: Sequence[str]) -> int:
             with contextlib.suppress(OSError):
                 out_dir.rmdir()
         raise
+    except Exception:
+        if ctrl_c.pressed and not _script_started:
+            # a Ctrl-C inside an import that the library turned into its own error (numpy
+            # re-raises an ImportError): it is still the user's Ctrl-C
+            raise KeyboardInterrupt from None
+        raise
     finally:
         ctrl_c.uninstall()
 

@@ -378,8 +378,9 @@ class HiddenSteps:
         ]
         text = f"{plural(self.count, 'step')} hidden"
         if self.first is not None and self.last is not None:
-            extra.insert(0, f"step {self.first}" if self.first == self.last
-                         else f"steps {self.first}–{self.last}")
+            # the range first ("steps" is in the text already): short enough for the note column
+            extra.insert(0, f"{self.first}" if self.first == self.last
+                         else f"{self.first}–{self.last}")
         return text + (f" ({', '.join(extra)})" if extra else "")
 
 

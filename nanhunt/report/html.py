@@ -561,7 +561,7 @@ def _modules(trace: Trace, fmt: NumberFormat) -> str:
         rows.append(
             f'<tr class="{cls}" data-order="{r.index}">'
             f'<td class="mono" data-v="{esc(r.module)}">{"▶ " if r.culprit else ""}'
-            f"{esc(r.module or '(root)')}</td>"
+            f"{_breakable(esc(r.module or '(root)'))}</td>"
             f'<td class="muted">{esc(r.type)}</td>'
             f'<td class="num" data-v="{_sortnum(r.fwd_amax)}">{esc(fmt_num(r.fwd_amax))}</td>'
             f'<td class="num" data-v="{_sortnum(r.bwd_amax)}">{esc(fmt_num(r.bwd_amax))}</td>'
@@ -882,7 +882,7 @@ table.data th{text-align:left;font-weight:600;color:var(--muted);font-size:12px;
 text-transform:uppercase;letter-spacing:.05em;border-bottom:1px solid var(--line);
 padding:6px 10px;white-space:nowrap}
 table.data td{padding:5px 10px;border-bottom:1px solid #f1f5f9;vertical-align:top}
-table.data td.mono{overflow-wrap:anywhere}
+table.data td.mono{overflow-wrap:break-word}
 table.data .num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 table.data tr.culprit td{background:#fef2f2;font-weight:600}
 table.data tr.culprit td:first-child{box-shadow:inset 3px 0 0 var(--bad)}

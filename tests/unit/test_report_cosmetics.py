@@ -50,7 +50,7 @@ def test_the_folded_steps_row_keeps_to_its_columns():
     start = next(i for i, ln in enumerate(lines) if ln.startswith("Timeline"))
     header = lines[start + 1]
     row = next(ln for ln in lines[start:] if "steps hidden" in ln)
-    assert "191 steps hidden (steps 6–196)" in row
+    assert "191 steps hidden (6–196)" in row
     # each column's mark is where that column's numbers end (right-aligned) or start (left)
     for name in ("step", "loss", "scale", "grad norm"):
         end = header.index(name) + len(name)

@@ -52,3 +52,10 @@ def test_the_range_chart_opens_on_the_culprit(tmp_path: Path, width: int):
         assert scrolled and int(scrolled) > 100
     else:  # it fits: nothing to scroll
         assert not scrolled
+
+
+def test_module_names_in_tables_break_between_parts():
+    page = render_html(example_trace())
+    assert '">▶ encoder.<wbr>blocks.<wbr>1.<wbr>ffn.<wbr>wo</td>' in page
+    css = re.search(r"table\.data td\.mono\{[^}]*\}", page).group(0)
+    assert "anywhere" not in css  # "final_norm" never becomes "final_no" / "rm"

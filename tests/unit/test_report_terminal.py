@@ -545,10 +545,10 @@ def test_timeline_caps_notable_steps():
     assert sum(h.count for h in hidden) == 1000 - len(shown)
     assert sum(h.skipped for h in hidden) == 100 - 2
     assert [h.describe() for h in hidden] == [
-        "2 steps hidden (steps 3–4)",
-        "9 steps hidden (steps 6–14)",
-        "884 steps hidden (steps 16–899, 88 skipped)",
-        "96 steps hidden (steps 901–996, 10 skipped)",
+        "2 steps hidden (3–4)",
+        "9 steps hidden (6–14)",
+        "884 steps hidden (16–899, 88 skipped)",
+        "96 steps hidden (901–996, 10 skipped)",
     ]
     lines = render(trace)
     assert len(lines) < 80  # the default keeps 24 notable steps
