@@ -16,12 +16,13 @@ from .formats import FORMATS, get_format
 
 if TYPE_CHECKING:
     from .capture import Hunt, watch
+    from .precision import audit
 
-__all__ = ["FORMATS", "Hunt", "NanhuntError", "__version__", "get_format", "watch"]
+__all__ = ["FORMATS", "Hunt", "NanhuntError", "__version__", "audit", "get_format", "watch"]
 
 # Hunt and watch need torch; importing them on first use keeps `nanhunt --help`, usage errors
 # and `nanhunt report` (all torch-free) from paying torch's import time (about a second).
-_LAZY = {"Hunt": "capture", "watch": "capture"}
+_LAZY = {"Hunt": "capture", "watch": "capture", "audit": "precision"}
 
 
 def __getattr__(name: str) -> Any:

@@ -305,7 +305,14 @@ def _console() -> Any:
     return _Console(highlight=False)
 
 
-_COMMANDS = {"diagnose": cmd_diagnose, "report": cmd_report, "replay": cmd_replay}
+def cmd_audit(argv: Sequence[str]) -> int:
+    from .precision.command import cmd_audit as run
+
+    return run(argv)
+
+
+_COMMANDS = {"diagnose": cmd_diagnose, "audit": cmd_audit, "report": cmd_report,
+             "replay": cmd_replay}
 
 _TOP_HELP = f"""\
 usage: nanhunt <command> [options] ...
@@ -314,6 +321,7 @@ nanhunt {__version__}: find where, why and how to fix NaN/Inf in mixed-precision
 
 commands:
   diagnose   run a training script under instrumentation and report the first failure
+  audit      measure per layer how much accuracy fp16/bf16/fp8 costs (SQNR vs float32)
   report     render a saved report.json again (terminal, --html)
   replay     re-run a culprit snapshot and print its op-level trace
 
@@ -334,8 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = _COMMANDS.get(argv[0])
     try:
         if command is None:
-            raise NanhuntError(f"unknown command {argv[0]!r} (choose from diagnose, report, "
-                               "replay)")
+            raise NanhuntError(f"unknown command {argv[0]!r} (choose from diagnose, audit, "
+                               "report, replay)")
         return command(argv[1:])
     except NanhuntError as exc:
         print(f"nanhunt: {exc}", file=sys.stderr)

@@ -29,6 +29,9 @@ __all__ = [
     "LoopCall",
     "OpRecord",
     "OptimizerInfo",
+    "PrecisionAudit",
+    "PrecisionLayer",
+    "PrecisionLoss",
     "RankSummary",
     "Recommendation",
     "RunInfo",
@@ -328,6 +331,77 @@ class RankSummary:
 
 
 @dataclass
+class PrecisionLayer:
+    """How much one module loses in the audited format (``nanhunt audit``).
+
+    SQNR (signal-to-quantisation-noise ratio) in dB is ``10 log10(sum ref^2 / sum (x - ref)^2)``
+    over every call in the audited steps; higher is better, ``inf`` means exact.
+    """
+
+    module: str
+    type: str
+    # its output in the target against its float32 replay on float32 copies of the same inputs
+    sqnr_db: float | None = None
+    # its output in the target against a float32 run of the whole model on the same batch
+    sqnr_db_end_to_end: float | None = None
+    # gradient w.r.t. its output, target backward against float32 backward (same batch)
+    grad_sqnr_db: float | None = None
+    rank: int | None = None  # 1 = loses the most; null for a container a child explains
+    calls: int = 0
+    order: int = 0  # execution order of its first call
+    depth: int = 0  # 0 for a model called at the top level
+    leaf: bool = True  # no child modules
+    parent: str | None = None  # the module that called it (null at the top level)
+    dtype: str = ""  # dtype of its output in the target run
+    explained_by: str | None = None  # a child module that loses as much (containers only)
+    stands_out: bool = False  # loses far more than the rest (see docs/rules.md)
+    reasons: list[str] = field(default_factory=list)  # why, in numbers
+    # the numbers behind the reasons: cancellation_bits, swamping_bits, reduction_length,
+    # adds, below_normal_fraction, above_max_fraction, dynamic_range_binades, periodic_arg_max
+    data: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PrecisionLoss:
+    """The loss of one audited step computed in the target and in float32 on the same batch."""
+
+    step: int
+    target: float | None = None
+    float32: float | None = None
+
+    @property
+    def error(self) -> float | None:
+        """Relative error of the target's loss against float32's."""
+        if self.target is None or self.float32 is None:
+            return None
+        if self.float32 == 0:
+            return 0.0 if self.target == 0 else float("inf")
+        return abs(self.target - self.float32) / abs(self.float32)
+
+
+@dataclass
+class PrecisionAudit:
+    """Which layers lose accuracy in one target format; see docs/report-schema.md."""
+
+    target: str
+    # measured: the run itself computed in the target (replayed bit for bit); simulated: an
+    # fp32 run, or another format than the run's, replayed as described in ``simulation``
+    mode: str = "measured"
+    simulation: str = ""
+    steps: int = 0  # audited steps (forward + backward on one batch)
+    layers: list[PrecisionLayer] = field(default_factory=list)  # execution order
+    loss: PrecisionLoss | None = None  # the last audited step
+    loss_by_step: list[PrecisionLoss] = field(default_factory=list)
+    nominal_sqnr_db: float | None = None  # SQNR of rounding alone: 6.02 * mantissa bits + 13.8
+    threshold_db: float | None = None  # layers with sqnr_db below this stand out
+    reproduced: bool | None = None  # measured mode: the replay's loss equals the run's
+    notes: list[str] = field(default_factory=list)
+    compare: list[PrecisionAudit] = field(default_factory=list)  # --target a,b: the others
+    seconds_audit: float | None = None  # wall time of the audit's own work, per audited step
+    seconds_plain_step: float | None = None  # median warm-up step, when measured
+
+
+@dataclass
 class RunInfo:
     command: list[str] = field(default_factory=list)
     script: str = ""
@@ -379,6 +453,7 @@ class Trace:
     optimizers: list[OptimizerInfo] = field(default_factory=list)
     loop_calls: list[LoopCall] = field(default_factory=list)  # misused GradScaler calls
     crash: Crash | None = None  # the script's exception, when it crashed
+    precision: PrecisionAudit | None = None  # nanhunt audit: per-layer accuracy in a format
     schema_version: int = SCHEMA_VERSION
 
     @property

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from .._version import __version__
 from ..formats import NumberFormat
 from ..trace import Failure, Finding, OpRecord, RankSummary, Recommendation, StepRecord, Trace
-from . import _svg
+from . import _precision, _svg
 from ._common import (
     HiddenSteps,
     bad_samples_text,
@@ -58,7 +58,7 @@ def render_html(trace: Trace) -> str:
     body = [
         _header(trace),
         '<main class="page">',
-        _verdict(trace, fmt),
+        _precision.html_verdict(trace) if _precision.is_audit(trace) else _verdict(trace, fmt),
         _nav(trace),
     ]
     if trace.first_failure is not None or trace.diagnosis is not None:
@@ -69,7 +69,10 @@ def render_html(trace: Trace) -> str:
             # the verdict's lede already says the diagnosis' message: the card does not repeat it
             body.append(_diagnosis(trace.diagnosis, message=False))
         body.append("</div>")
-    body.append(_ranges(trace, fmt))
+    if not _precision.is_audit(trace):
+        body.append(_ranges(trace, fmt))
+    if trace.precision is not None:
+        body.append(_precision.html_card(trace))
     if trace.recommendations:
         body.append(_recommendations(trace.recommendations))
     if trace.steps:
@@ -206,7 +209,10 @@ def _nav(trace: Trace) -> str:
         links.append(("failure", "First failure"))
     if trace.diagnosis is not None:
         links.append(("diagnosis", "Diagnosis"))
-    links.append(("ranges", "Ranges"))
+    if not _precision.is_audit(trace):
+        links.append(("ranges", "Ranges"))
+    if trace.precision is not None:
+        links.append(("precision", "Precision"))
     for cond, id_, label in (
         (trace.recommendations, "recommendations", "Fixes"),
         (trace.steps, "timeline", "Timeline"),

@@ -19,6 +19,7 @@ from rich.text import Text
 
 from ..formats import NumberFormat
 from ..trace import Failure, Finding, RankSummary, Recommendation, StepRecord, Trace
+from . import _precision
 from ._common import (
     HiddenSteps,
     ModuleRow,
@@ -70,7 +71,10 @@ def render_terminal(
     'the script exited before any training step'
     """
     fmt = target_format(trace)
-    console.print(_verdict_panel(trace, fmt))
+    if _precision.is_audit(trace):
+        console.print(_precision.audit_panel(trace))
+    else:
+        console.print(_verdict_panel(trace, fmt))
     if trace.first_failure is not None:
         _section(console, "First failure")
         console.print(_failure(trace.first_failure, fmt))
@@ -86,6 +90,8 @@ def render_terminal(
     if trace.steps:
         _section(console, "Timeline")
         console.print(_timeline(trace, show_all))
+    if trace.precision is not None:
+        _precision.terminal_section(console, trace, show_all=show_all, max_layers=max_layers)
     if trace.recommendations:
         _section(console, "Recommendations")
         for i, rec in enumerate(trace.recommendations, 1):

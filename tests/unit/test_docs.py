@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
@@ -15,8 +17,11 @@ def _runnable_blocks(text: str) -> list[str]:
     return [b for b in blocks if "import nanhunt" in b and "# " in b and "..." not in b]
 
 
-def test_api_example_prints_what_it_promises(tmp_path):
-    (block,) = _runnable_blocks((DOCS / "api.md").read_text())
+@pytest.mark.parametrize("index", [0, 1])  # watch(), then audit()
+def test_api_example_prints_what_it_promises(tmp_path, index):
+    blocks = _runnable_blocks((DOCS / "api.md").read_text())
+    assert len(blocks) == 2
+    block = blocks[index]
     expected = [m.group(1).strip() for m in re.finditer(r"print\(.*\)\s+# (.*)", block)]
     script = tmp_path / "example.py"
     script.write_text(block)

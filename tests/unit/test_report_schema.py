@@ -16,6 +16,9 @@ from nanhunt.trace import (
     LayerStats,
     LayerStep,
     OpRecord,
+    PrecisionAudit,
+    PrecisionLayer,
+    PrecisionLoss,
     RankSummary,
     Recommendation,
     RunInfo,
@@ -39,6 +42,9 @@ SECTIONS = {
     Recommendation: "Recommendation",
     OpRecord: "OpRecord",
     RankSummary: "RankSummary",
+    PrecisionAudit: "PrecisionAudit",
+    PrecisionLayer: "PrecisionLayer",
+    PrecisionLoss: "PrecisionLoss",
 }
 
 
