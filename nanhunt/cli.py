@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import os
 import platform
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,8 @@ from .errors import NanhuntError
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_SCRIPT_FAILED", "EXIT_USAGE",
            "entry", "main", "split_argv"]
+
+_STARTED = time.monotonic()  # the script's time to its failure is measured from here
 
 # the parser, argv splitting and exit codes live in cli_args (distributed.py needs them too)
 _diagnose_parser, _Parser, _EXIT_CODES = diagnose_parser, Parser, EXIT_CODES
@@ -102,6 +106,12 @@ def cmd_diagnose(argv: Sequence[str]) -> int:
                                                             opts.nproc_per_node)):
         if value is not None and value < 1:
             raise NanhuntError(f"{name} must be at least 1")
+    if opts.verify < 0:
+        raise NanhuntError("--verify must be 0 or more")
+    from .fixspec import parse_fix
+
+    for spec in opts.fix:
+        parse_fix(spec)  # a malformed spec is a usage error before anything runs
     from .runner import Target, TargetMissing
 
     target = Target(script=script, module=module, args=script_args)
@@ -141,11 +151,21 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
 
     from .capture import Hunt, StopRun
     from .distributed import RankContext
+    from .fixes import FixMismatch, RunFixes
     from .live import LiveLine
     from .runner import print_user_traceback, run_target
 
     ctx = RankContext.from_env(out_dir)
     live = LiveLine(enabled=not opts.quiet and ctx.rank == 0)
+    fixes = RunFixes(opts.fix)
+    failed_at: list[float] = []
+
+    def on_step(rec: Any, hunt: Any) -> None:
+        live.update(rec, hunt)
+        fixes.on_step(rec)
+        if hunt.first_failure is not None and not failed_at:
+            failed_at.append(time.monotonic() - _STARTED)
+
     hunt = Hunt(
         target=opts.target,
         keep_steps=opts.keep_steps,
@@ -153,7 +173,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
         sample_every=opts.sample_every,
         stop_on_problem=not opts.keep_going,
         max_steps=opts.max_steps,
-        on_step=ctx.step_hook(live.update),  # distributed: every rank stops at the same step
+        on_step=ctx.step_hook(on_step),  # distributed: every rank stops at the same step
     )
     run = _run_info(argv, target.argv0, torch.__version__)
     run.world_size = ctx.world_size
@@ -168,18 +188,25 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     ctrl_c.uninstall()
     global _script_started
     _script_started = True
+    fixes.install()  # before the session, so that nanhunt observes the fixed program
+    outcome = None
     hunt.start()
     try:
         with live:
-            outcome = run_target(target, (StopRun, _Terminated))
+            outcome = run_target(target, (StopRun, _Terminated, FixMismatch))
     finally:
         ctrl_c.install(raising=False)
         if old_term is not None and ctx.distributed:
             # torchrun sends SIGTERM to every worker once one fails: finish the report first
             signal.signal(signal.SIGTERM, ctx.defer_sigterm)
         hunt.stop()
+        mismatch = fixes.uninstall(completed=_ran_to_end(outcome))
         if old_term is not None and not ctx.distributed:
             signal.signal(signal.SIGTERM, old_term)
+    if isinstance(outcome.error, FixMismatch) or mismatch:
+        raise NanhuntError(outcome.error.message if isinstance(outcome.error, FixMismatch)
+                           else mismatch)
+    run.fixes, run.rerun = list(opts.fix), fixes.rerun
     if isinstance(outcome.error, _Terminated):
         outcome.status, outcome.exit_code = "interrupted", EXIT_TERMINATED
     # the script's own exit status (sys.exit(n), 1 for a crash, 130/143 for signals); none when
@@ -203,7 +230,13 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
                 f"nanhunt: first non-finite value at {hunt.first_failure.where()}")
         print_user_traceback(outcome.error)
     from .pipeline import analyse_and_report
+    from .verify import RerunConfig
 
+    rerun = RerunConfig(
+        script=target.script, module=target.module, args=list(target.args), cwd=os.getcwd(),
+        env=dict(os.environ), tries=opts.verify, max_steps=opts.max_steps,
+        options=_rerun_options(opts), quiet=opts.quiet,
+        script_seconds=round(failed_at[0] if failed_at else time.monotonic() - _STARTED, 2))
     try:
         trace = analyse_and_report(
             hunt,
@@ -213,12 +246,29 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
             ctx=ctx,
             show_all=opts.show_all,
             quiet=opts.quiet,
+            rerun=rerun,
             ctrl_c=ctrl_c,
         )
     finally:
         if old_term is not None and ctx.distributed:
             signal.signal(signal.SIGTERM, old_term)
     return ctx.exit_code(_exit_code(trace, outcome, opts.strict), trace)
+
+
+def _ran_to_end(outcome: Any) -> bool:
+    """Whether the script ran to its end (a fix that never applied is then an error)."""
+    return outcome is not None and outcome.status in ("complete", "exited")
+
+
+def _rerun_options(opts: argparse.Namespace) -> list[str]:
+    """The options a verification re-run keeps from this run (its --fix are added to them)."""
+    out = ["--target", opts.target] if opts.target else []
+    out += ["--keep-steps", str(opts.keep_steps), "--sample-every", str(opts.sample_every)]
+    for pattern in opts.allow_inf:
+        out += ["--allow-inf", pattern]
+    for spec in opts.fix:
+        out += ["--fix", spec]
+    return out
 
 
 def _main_thread() -> bool:

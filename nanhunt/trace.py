@@ -23,6 +23,7 @@ __all__ = [
     "Crash",
     "Failure",
     "Finding",
+    "FixTry",
     "InputRange",
     "LayerStats",
     "LayerStep",
@@ -40,6 +41,7 @@ __all__ = [
     "TensorRecord",
     "TensorStats",
     "Trace",
+    "Verification",
 ]
 
 SCHEMA_VERSION = 1
@@ -264,6 +266,41 @@ class Finding:
 
 
 @dataclass
+class FixTry:
+    """One re-run of the script with fixes installed, and what it showed (re-run
+    verification; docs/report-schema.md)."""
+
+    fixes: list[str] = field(default_factory=list)  # the --fix specs installed
+    verified: bool = False
+    reason: str = ""  # what the run showed: why it counts, or why not
+    steps: int = 0  # steps the re-run ran
+    target_steps: int = 0  # steps it was to run (failure step + recovery), bounded by --max-steps
+    losses: list[float | None] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)  # steps GradScaler skipped
+    scale_first: float | None = None
+    scale_last: float | None = None
+    failure: str | None = None  # the re-run's own first failure, "step 6 / forward / wo / output"
+    failure_step: int | None = None
+    seconds: float = 0.0
+    report: str | None = None  # the re-run's report.json, relative to the report folder
+
+
+@dataclass
+class Verification:
+    """How re-run verification went for the whole report."""
+
+    tries_allowed: int = 0  # --verify N
+    tries: int = 0  # re-runs made
+    seconds: float = 0.0  # their wall time, together
+    budget_seconds: float = 0.0  # about 3x the script's time to the failure
+    script_seconds: float | None = None  # the original run's wall time to the failing step
+    target_steps: int = 0
+    interrupted: bool = False  # Ctrl-C stopped it
+    note: str = ""  # why it did not run, or its limits (distributed runs)
+    redirected: list[str] = field(default_factory=list)  # writes a re-run made, sent to scratch
+
+
+@dataclass
 class Recommendation:
     # init_scale | fp32_module | clip_grad_norm | lower_lr | eps | normalize_input | clamp |
     # fix_data
@@ -272,11 +309,17 @@ class Recommendation:
     snippet: str
     evidence: list[str] = field(default_factory=list)
     module: str | None = None
-    verified: bool = False
-    verification: str = ""  # what the replay showed, or why it was not checked
+    verified: bool = False  # a re-run of the script with the fix installed trained
+    verification: str = ""  # what showed it (re-run, replay), or why it was not verified
     # how to apply it, for the replay: clamp {"where": "output", "bound"} or {"where": "input",
     # "min"}; fp32_module {"modules", "region", "cast_to"}; see docs/rules.md
     data: dict[str, Any] = field(default_factory=dict)
+    fix: list[str] = field(default_factory=list)  # the --fix specs that install it; [] = code
+    helper: str = ""  # a function the snippet calls (renderers show each helper once)
+    check: str = ""  # how it was checked: "rerun", "replay" or "" (not checked)
+    replay: str = ""  # what replaying the culprit with the fix showed
+    code_change: bool = False  # it needs a change to the code: no --fix installs it
+    tries: list[FixTry] = field(default_factory=list)  # re-runs made for it, narrowest first
 
 
 @dataclass
@@ -424,6 +467,8 @@ class RunInfo:
     # setting, e.g. Lightning's "bf16-mixed") | default (nothing ran in low precision)
     target_source: str = ""
     framework: str = ""  # "lightning 2.6.6", "transformers 5.24.0" when a callback recorded it
+    fixes: list[str] = field(default_factory=list)  # --fix specs installed in this run
+    rerun: bool = False  # a verification re-run (NANHUNT_RERUN=1)
 
 
 @dataclass
@@ -454,6 +499,7 @@ class Trace:
     loop_calls: list[LoopCall] = field(default_factory=list)  # misused GradScaler calls
     crash: Crash | None = None  # the script's exception, when it crashed
     precision: PrecisionAudit | None = None  # nanhunt audit: per-layer accuracy in a format
+    verification: Verification | None = None  # re-run verification, when it ran
     schema_version: int = SCHEMA_VERSION
 
     @property

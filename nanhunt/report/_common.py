@@ -473,3 +473,59 @@ def rank_order(trace: Trace) -> list[RankSummary]:
         trace.ranks,
         key=lambda r: (r.rank != origin, r.first_failure is None, not r.answered, r.rank),
     )
+
+
+def check_label(rec: Any) -> tuple[str, str]:
+    """How a recommendation was checked, as shown everywhere: (label, level ok|warn|plain)."""
+    if rec.verified:
+        return "verified by re-run", "ok"
+    if rec.check == "replay":
+        return "checked by replaying the culprit", "warn"
+    return "not verified", "plain"
+
+
+def check_detail(rec: Any) -> str:
+    """The verification text without the label it starts with (the label is shown apart)."""
+    text = rec.verification or ""
+    for prefix in ("verified by re-run: ", "checked by replaying the culprit: ",
+                   "not verified: "):
+        if text.startswith(prefix):
+            return text[len(prefix):]
+    return text
+
+
+def fix_options(rec: Any) -> str:
+    """``--fix SPEC`` options that install the recommendation (quoted for a shell)."""
+    import shlex
+
+    return " ".join(f"--fix {shlex.quote(s)}" for s in rec.fix)
+
+
+def try_line(i: int, t: Any) -> str:
+    """One re-run of the search: what it installed and what it showed."""
+    skipped = f", skipped {len(t.skipped)}" if t.skipped else ""
+    return (f"re-run {i}: --fix {' --fix '.join(t.fixes)}: "
+            f"{'trained' if t.verified else 'did not train'}: {t.reason}"
+            + (f" ({t.seconds:g} s{skipped})" if t.seconds else ""))
+
+
+def verification_lines(trace: Trace) -> list[str]:
+    """Re-run verification for the whole report: its cost against the script's, its limits."""
+    v = trace.verification
+    if v is None:
+        return []
+    lines = []
+    if v.tries:
+        cost = f"{plural(v.tries, 're-run')} of {v.target_steps} steps at most, {v.seconds:g} s"
+        if v.script_seconds:
+            cost += (f" ({v.seconds / v.script_seconds:.1f}x the {v.script_seconds:g} s the "
+                     "script took to reach the failure)")
+        lines.append(cost)
+    if v.note:
+        lines.append(v.note)
+    if v.redirected:
+        lines.append("the re-runs' writes went to a scratch folder: " + "; ".join(v.redirected))
+    elif v.tries:
+        lines.append("re-runs ran with NANHUNT_RERUN=1 and WANDB_MODE=disabled; torch.save and "
+                     "TensorBoard/Lightning/HF writers go to a scratch folder (none was used)")
+    return lines

@@ -20,6 +20,9 @@ from . import _precision, _svg
 from ._common import (
     HiddenSteps,
     bad_samples_text,
+    check_detail,
+    check_label,
+    fix_options,
     fmt_binades,
     fmt_compact,
     fmt_count,
@@ -35,7 +38,9 @@ from ._common import (
     ranked_warnings,
     scaler_notes,
     target_format,
+    try_line,
     verdict,
+    verification_lines,
 )
 from ._svg import esc
 
@@ -74,7 +79,7 @@ def render_html(trace: Trace) -> str:
     if trace.precision is not None:
         body.append(_precision.html_card(trace))
     if trace.recommendations:
-        body.append(_recommendations(trace.recommendations))
+        body.append(_recommendations(trace.recommendations, verification_lines(trace)))
     if trace.steps:
         body.append(_timeline(trace, fmt))
     if trace.first_failure is not None and _has_histogram(trace):
@@ -185,7 +190,8 @@ def _verdict(trace: Trace, fmt: NumberFormat) -> str:
         chips.append(plural(trace.run.world_size, "rank"))
     if trace.recommendations:
         verified = sum(r.verified for r in trace.recommendations)
-        chips.append(f"{plural(len(trace.recommendations), 'fix', 'fixes')}, {verified} verified")
+        chips.append(f"{plural(len(trace.recommendations), 'fix', 'fixes')}, {verified} "
+                     "verified by re-run")
     chip_html = "".join(f'<span class="chip">{esc(c)}</span>' for c in chips)
     return (
         f'<section id="verdict" class="verdict {v.level}" data-level="{v.level}">'
@@ -527,8 +533,17 @@ def _notes(notes: Sequence[str]) -> str:
     )
 
 
-def _recommendations(recs: Sequence[Recommendation]) -> str:
+def _code_block(code: str, label: str = "copy snippet") -> str:
+    return (
+        '<div class="snippet"><button type="button" class="copy needs-js" '
+        f'aria-label="{esc(label)}">Copy</button><pre class="code"><code>'
+        f"{_highlight(code.rstrip())}</code></pre></div>"
+    )
+
+
+def _recommendations(recs: Sequence[Recommendation], notes: Sequence[str] = ()) -> str:
     cards = []
+    helpers: list[str] = []
     for i, r in enumerate(recs, 1):
         value = fmt_value(r.value)
         module = f'<code class="module">{esc(r.module)}</code>' if r.module else ""
@@ -537,25 +552,33 @@ def _recommendations(recs: Sequence[Recommendation]) -> str:
             if value and value != r.module
             else ""
         )
-        if r.verified:
-            check = '<span class="badge ok">✓ verified</span>'
-        else:
-            check = '<span class="badge plain">✗ not verified</span>'
-        verification = f'<span class="verification">{esc(r.verification)}</span>'
-        snippet = ""
-        if r.snippet:
-            snippet = (
-                '<div class="snippet"><button type="button" class="copy needs-js" '
-                f'aria-label="copy snippet">Copy</button><pre class="code"><code>'
-                f"{_highlight(r.snippet.rstrip())}</code></pre></div>"
-            )
+        label, level = check_label(r)
+        mark = "✓" if r.verified else ("~" if level == "warn" else "✗")
+        check = f'<span class="badge {level}">{mark} {esc(label)}</span>'
+        verification = f'<span class="verification">{esc(check_detail(r))}</span>'
+        fix = ""
+        if r.fix:
+            fix = (f'<p class="fix">install it without editing the script: '
+                   f"<code>nanhunt diagnose {esc(fix_options(r))} …</code></p>")
+        elif r.code_change:
+            fix = '<p class="fix">needs a code change (no --fix installs it)</p>'
+        tries = _list([try_line(k, t) for k, t in enumerate(r.tries, 1)], "evidence") \
+            if len(r.tries) > 1 or (r.tries and not r.verified) else ""
+        helper = ""
+        if r.helper and r.helper not in helpers:
+            helpers.append(r.helper)
+            helper = '<p class="fix">helper (paste once):</p>' + _code_block(r.helper,
+                                                                          "copy helper")
+        snippet = _code_block(r.snippet) if r.snippet else ""
         cards.append(
             f'<article class="rec{" verified" if r.verified else ""}">'
             f'<header><span class="num-badge">{i}</span>'
             f'<span class="badge type mono">{esc(r.type)}</span>{module}{value_html}</header>'
             f'<div class="check">{check}{verification}</div>'
-            f"{_list(r.evidence, 'evidence')}{snippet}</article>"
+            f"{_list(r.evidence, 'evidence')}{tries}{fix}{helper}{snippet}</article>"
         )
+    if notes:
+        cards.append(_list(list(notes), "facts"))
     return _card("recommendations", "Recommendations", "".join(cards))
 
 
@@ -854,6 +877,7 @@ font-weight:600;border:1px solid transparent;white-space:nowrap}
 .badge.bad{background:#fee2e2;color:#991b1b}.badge.warn{background:#fef3c7;color:#92400e}
 .badge.ok{background:#dcfce7;color:#166534}
 .badge.plain{background:#f1f5f9;color:#475569;border-color:var(--line)}
+.fix{margin:8px 0 0;color:#334155}
 .badge.type{background:#eef2ff;color:#3730a3}
 .message{margin:0 0 8px;font-size:15.5px}
 ul.evidence{margin:6px 0 0;padding-left:20px}ul.evidence li{margin:3px 0}

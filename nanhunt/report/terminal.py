@@ -24,7 +24,10 @@ from ._common import (
     HiddenSteps,
     ModuleRow,
     bad_samples_text,
+    check_detail,
+    check_label,
     first_line,
+    fix_options,
     fmt_binades,
     fmt_compact,
     fmt_num,
@@ -41,8 +44,10 @@ from ._common import (
     ranked_warnings,
     scaler_notes,
     target_format,
+    try_line,
     values_summary,
     verdict,
+    verification_lines,
 )
 
 __all__ = ["render_terminal"]
@@ -94,13 +99,17 @@ def render_terminal(
         _precision.terminal_section(console, trace, show_all=show_all, max_layers=max_layers)
     if trace.recommendations:
         _section(console, "Recommendations")
+        shown: list[str] = []
         for i, rec in enumerate(trace.recommendations, 1):
-            console.print(_recommendation(i, rec))
-            if rec.snippet:
+            group, code = _recommendation(i, rec, shown)
+            console.print(group)
+            if code:
                 # soft_wrap: code is never wrapped nor cropped, so that a pasted snippet is the
                 # snippet; a line wider than the terminal overflows it
-                console.print(_snippet(rec.snippet), soft_wrap=True)
+                console.print(_snippet(code), soft_wrap=True)
                 console.print()
+        if verification_lines(trace):
+            console.print(_bullets(verification_lines(trace), indent=0, style="dim"))
     if trace.facts:
         _section(console, "Facts (non-finite values that were not failures)")
         _facts(console, trace, show_all)
@@ -327,7 +336,7 @@ def _timeline(trace: Trace, show_all: bool) -> Table:
     return table
 
 
-def _recommendation(i: int, rec: Recommendation) -> Group:
+def _recommendation(i: int, rec: Recommendation, shown: list[str]) -> tuple[Group, str]:
     head = Text(f"{i}. ", style="bold")
     head.append(rec.type, style="bold cyan")
     value = fmt_value(rec.value)
@@ -337,14 +346,13 @@ def _recommendation(i: int, rec: Recommendation) -> Group:
     if value and value != rec.module:
         head.append(" · value ")
         head.append(value, style="bold")
-    check = (
-        Text("verified", style="bold green")
-        if rec.verified
-        else Text("not verified", style="yellow")
-    )
-    if rec.verification:
-        check.append(": " + rec.verification, style="")
-    mark = Text("✓", style="bold green") if rec.verified else Text("✗", style="yellow")
+    label, level = check_label(rec)
+    style = {"ok": "bold green", "warn": "cyan", "plain": "yellow"}[level]
+    check = Text(label, style=style)
+    detail = check_detail(rec)
+    if detail:
+        check.append(": " + detail, style="")
+    mark = Text("✓" if rec.verified else ("~" if level == "warn" else "✗"), style=style)
     status = Table.grid(padding=(0, 1))
     status.add_column(no_wrap=True)
     status.add_column(overflow="fold")
@@ -352,12 +360,34 @@ def _recommendation(i: int, rec: Recommendation) -> Group:
     parts: list[RenderableType] = [head, Padding(status, (0, 0, 0, 3))]
     if rec.evidence:
         parts.append(_bullets(rec.evidence, indent=3, style="dim"))
-    parts.append(Text())  # the snippet, if any, follows: see _snippet
-    return Group(*parts)
+    if len(rec.tries) > 1 or (rec.tries and not rec.verified):
+        parts.append(_bullets([try_line(k, t) for k, t in enumerate(rec.tries, 1)], indent=3,
+                              style="dim"))
+    if rec.fix:
+        parts.append(Padding(Text("nanhunt diagnose " + fix_options(rec) + " ...",
+                                  style="bold"), (1, 0, 0, 3)))
+    elif rec.code_change:
+        parts.append(Padding(Text("needs a code change (no --fix installs it)", style="dim"),
+                             (1, 0, 0, 3)))
+    code = rec.snippet.rstrip("\n")
+    if rec.helper and rec.helper not in shown:
+        shown.append(rec.helper)
+        code = rec.helper.rstrip("\n") + "\n\n\n" + code
+    elif rec.helper:
+        code = f"# uses {_helper_name(rec.helper)}, shown above\n" + code
+    parts.append(Text())  # the code, if any, follows: printed by the caller (see _snippet)
+    return Group(*parts), code
+
+
+def _helper_name(helper: str) -> str:
+    for line in helper.splitlines():
+        if line.startswith("def "):
+            return line[4:].split("(")[0] + "()"
+    return "the helper"
 
 
 def _snippet(snippet: str, indent: str = "   ") -> Text:
-    """The snippet highlighted, each line indented, for printing with ``soft_wrap=True``."""
+    """The code highlighted, each line indented, for printing with ``soft_wrap=True``."""
     code = snippet.rstrip("\n")
     text = Syntax(code, "python", theme="ansi_dark", background_color="default").highlight(code)
     text.rstrip()

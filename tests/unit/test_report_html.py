@@ -302,8 +302,9 @@ def test_recommendations_have_copyable_snippets():
     text = "".join(p.text)
     for rec in trace.recommendations:
         assert rec.snippet in text  # highlighting adds spans, never changes the text
-    assert "✓ verified" in text
+    assert "✓ verified by re-run" in text
     assert "✗ not verified" in text
+    assert "--fix 'fp32:encoder.blocks.*.ffn.wo..norm'" in text
 
 
 def test_modules_table_is_worst_first_and_ops_table_marks_first_nonfinite():

@@ -13,6 +13,7 @@ from nanhunt.trace import (
     SCHEMA_VERSION,
     Failure,
     Finding,
+    FixTry,
     LayerStats,
     LayerStep,
     OpRecord,
@@ -26,6 +27,7 @@ from nanhunt.trace import (
     StepRecord,
     TensorStats,
     Trace,
+    Verification,
 )
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "report-schema.md"
@@ -45,6 +47,8 @@ SECTIONS = {
     PrecisionAudit: "PrecisionAudit",
     PrecisionLayer: "PrecisionLayer",
     PrecisionLoss: "PrecisionLoss",
+    FixTry: "FixTry",
+    Verification: "Verification",
 }
 
 

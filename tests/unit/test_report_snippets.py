@@ -45,7 +45,10 @@ def shown_snippets(text: str) -> list[str]:
     for chunk in chunks:
         if "" not in chunk:
             continue
-        code = "\n".join(chunk[chunk.index("") + 1:]).rstrip()
+        rest = chunk[chunk.index("") + 1:]
+        if rest and rest[0].strip().startswith(("nanhunt diagnose ", "needs a code change")):
+            rest = rest[2:]  # the --fix command line (or why there is none), then a blank line
+        code = "\n".join(rest).rstrip()
         if code:
             blocks.append(textwrap.dedent(code))
     return blocks

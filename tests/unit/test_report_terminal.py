@@ -249,9 +249,10 @@ def test_timeline_marks_failure_and_scaler_backoff():
 def test_recommendations_show_type_verification_and_snippet():
     text = text_of(render(example_trace()))
     assert "1. fp32_module · encoder.blocks.*.ffn.wo" in text
-    assert "✓ verified: replayed step 3" in text
+    assert "✓ verified by re-run: 9 steps" in text
+    assert "nanhunt diagnose --fix 'fp32:encoder.blocks.*.ffn.wo..norm' ..." in text
     assert "2. init_scale · value 4096 (2^12)" in text
-    assert "✗ not verified: not replayed" in text
+    assert "✗ not verified: not re-run (another fix was verified first)" in text
     assert 'scaler = torch.amp.GradScaler("cuda", init_scale=4096.0)' in text
     assert "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)" in text
     lines = text.splitlines()
