@@ -41,79 +41,6 @@ _diagnose_parser, _Parser, _EXIT_CODES = diagnose_parser, Parser, EXIT_CODES
 # ----------------------------------------------------------------------------- diagnose
 
 
-class _LiveLine:
-    """One status line on stderr that the script's own prints do not garble."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and sys.stderr.isatty()
-        self.text = ""
-        self._last = 0.0
-        self._stdout = sys.stdout
-
-    def update(self, rec: Any, hunt: Any) -> None:
-        if not self.enabled:
-            return
-        skipped = sum(1 for s in hunt.steps if s.skipped)
-        parts = [f"nanhunt  step {rec.index}"]
-        if rec.loss is not None:
-            parts.append(f"loss {rec.loss:.4g}")
-        if rec.scale is not None:
-            parts.append(f"scale {rec.scale:g}")
-        parts.append(f"skipped {skipped}")
-        if hunt.first_failure is not None:
-            parts.append("FAILURE FOUND")
-        self.text = "  ".join(parts)
-        now = time.monotonic()
-        if now - self._last > 0.1 or hunt.first_failure is not None:
-            self._last = now
-            self._draw()
-
-    def _draw(self) -> None:
-        sys.stderr.write("\r\x1b[2K" + self.text[: _columns() - 1])
-        sys.stderr.flush()
-
-    def clear(self) -> None:
-        if self.enabled and self.text:
-            sys.stderr.write("\r\x1b[2K")
-            sys.stderr.flush()
-
-    def __enter__(self) -> _LiveLine:
-        if self.enabled and sys.stdout.isatty():
-            sys.stdout = _ClearingWriter(sys.stdout, self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if isinstance(sys.stdout, _ClearingWriter):
-            sys.stdout = self._stdout
-        self.clear()
-
-
-class _ClearingWriter:
-    """Wraps the terminal's stdout: clears the live line before the script writes."""
-
-    def __init__(self, inner: Any, line: _LiveLine) -> None:
-        self._inner, self._line = inner, line
-
-    def write(self, s: str) -> int:
-        if self._line.text:
-            self._line.clear()
-        n = self._inner.write(s)
-        if s.endswith("\n") and self._line.text:
-            self._inner.flush()
-            self._line._draw()
-        return n
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-def _columns() -> int:
-    try:
-        return os.get_terminal_size(sys.stderr.fileno()).columns
-    except OSError:
-        return 80
-
-
 class _Terminated(BaseException):
     pass
 
@@ -208,6 +135,12 @@ def cmd_diagnose(argv: Sequence[str]) -> int:
             with contextlib.suppress(OSError):
                 out_dir.rmdir()
         raise
+    except Exception:
+        if ctrl_c.pressed and not _script_started:
+            # a Ctrl-C inside an import that the library turned into its own error (numpy
+            # re-raises an ImportError): it is still the user's Ctrl-C
+            raise KeyboardInterrupt from None
+        raise
     finally:
         ctrl_c.uninstall()
 
@@ -219,10 +152,11 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     from .capture import Hunt, StopRun
     from .distributed import RankContext
     from .fixes import FixMismatch, RunFixes
+    from .live import LiveLine
     from .runner import print_user_traceback, run_target
 
     ctx = RankContext.from_env(out_dir)
-    live = _LiveLine(enabled=not opts.quiet and ctx.rank == 0)
+    live = LiveLine(enabled=not opts.quiet and ctx.rank == 0)
     fixes = RunFixes(opts.fix)
     failed_at: list[float] = []
 
@@ -252,6 +186,8 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     if ctrl_c.pressed:  # pressed during the imports and swallowed there: do not start
         raise KeyboardInterrupt
     ctrl_c.uninstall()
+    global _script_started
+    _script_started = True
     fixes.install()  # before the session, so that nanhunt observes the fixed program
     outcome = None
     hunt.start()
@@ -273,11 +209,16 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     run.fixes, run.rerun = list(opts.fix), fixes.rerun
     if isinstance(outcome.error, _Terminated):
         outcome.status, outcome.exit_code = "interrupted", EXIT_TERMINATED
+    # the script's own exit status (sys.exit(n), 1 for a crash, 130/143 for signals); none when
+    # nanhunt stopped it
+    run.exit_code = None if outcome.status == "stopped" else outcome.exit_code
     run.finished = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     run.status = outcome.status if outcome.status != "exited" else "complete"
     if outcome.status == "stopped":
         run.status = "stopped"
-    if outcome.status in ("crashed", "interrupted") and outcome.error is not None:
+    if isinstance(outcome.error, _Terminated):
+        run.error = "SIGTERM"
+    elif outcome.status in ("crashed", "interrupted") and outcome.error is not None:
         run.error = f"{type(outcome.error).__name__}: {outcome.error}".strip().rstrip(":")
     if outcome.status == "crashed" and outcome.error is not None:
         from .crash import describe_crash
@@ -311,9 +252,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     finally:
         if old_term is not None and ctx.distributed:
             signal.signal(signal.SIGTERM, old_term)
-    code = ctx.exit_code(_exit_code(trace, outcome, opts.strict), trace)
-    run.exit_code = code
-    return code
+    return ctx.exit_code(_exit_code(trace, outcome, opts.strict), trace)
 
 
 def _ran_to_end(outcome: Any) -> bool:
@@ -407,7 +346,13 @@ def cmd_replay(argv: Sequence[str]) -> int:
 def _console() -> Any:
     from rich.console import Console
 
-    return Console(highlight=False)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich exits 1 here; a reader that stopped early (`| head`) is no error: main exits 0
+            self.quiet = True
+            raise BrokenPipeError
+
+    return _Console(highlight=False)
 
 
 def cmd_audit(argv: Sequence[str]) -> int:
@@ -458,6 +403,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the script started (imports) or after it (analysis)
         _interrupted()
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `nanhunt report r.json | head`: a reader that stopped early
+        _stdout_gone()
+        return EXIT_OK
+
+
+def _stdout_gone() -> None:
+    # what is still buffered would fail again at exit: send it nowhere (Python's own advice)
+    import os
+
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def _interrupted() -> None:
@@ -467,6 +424,11 @@ def _interrupted() -> None:
         sys.stderr.flush()
 
 
+#: the user's script has begun: from then on nanhunt exits the ordinary way (the script's atexit
+#: handlers run)
+_script_started = False
+
+
 def entry() -> None:
     """The console script: ``nanhunt ...``."""
     try:
@@ -474,4 +436,18 @@ def entry() -> None:
     except KeyboardInterrupt:  # between main's handlers: still one line, never a traceback
         _interrupted()
         code = EXIT_INTERRUPTED
+    if code == EXIT_INTERRUPTED and not _script_started:
+        exit_now(code)
     sys.exit(code)
+
+
+def exit_now(code: int) -> None:
+    """Exit with ``code`` at once. A Ctrl-C that a C extension's import code let escape can leave
+    CPython marked as killed by SIGINT, and it would then end by SIGINT (-2) after our one line
+    instead of exiting 130; nothing of the user's ran yet, so nothing is skipped."""
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -269,6 +269,14 @@ def replay(snap: Snapshot, dtype: str | None = None, *, module_fix: Any = None,
     if recorder.first is None and recorder.weak is not None:
         recorder.first = recorder.weak
         recorder.weak.first_nonfinite = True
+    if snap.call_site is not None:
+        # an op of torch's own module (nn.Linear) runs in no frame of the user's: its user line
+        # is the one that called the module
+        fname, line, text = snap.call_site
+        caller = f"{fname}:{line}" + (f"  {text}" if text else "")
+        for op in recorder.ops:
+            if not op.source:
+                op.source = caller
     result.ops, result.first, result.dropped_ops = recorder.ops, recorder.first, recorder.dropped
     return result
 

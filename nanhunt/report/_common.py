@@ -103,7 +103,8 @@ def fmt_binades(h: float) -> str:
         return "nan"
     if math.isinf(h):
         return "—" if h > 0 else "-inf"
-    return f"{h:+.1f}"
+    # at most 5 characters: +12.4, -3.0, +127 (a float32 or bfloat16 target)
+    return f"{h:+.1f}" if abs(h) < 99.95 else f"{h:+.0f}"
 
 
 def fmt_value(value: Any) -> str:
@@ -151,6 +152,7 @@ class Verdict:
     level: str
     headline: str
     partial: str | None = None
+    note: str | None = None  # shown under the headline: "the script exited with 3"
 
 
 def has_problem(trace: Trace) -> bool:
@@ -172,10 +174,29 @@ def partial_line(trace: Trace) -> str | None:
     return f"PARTIAL REPORT ({why})"
 
 
+def exit_note(trace: Trace) -> str | None:
+    """The script's own non-zero exit status, when it ended by itself (``sys.exit(3)``)."""
+    code = trace.run.exit_code
+    if code in (None, 0) or trace.run.status not in ("complete", "exited"):
+        return None
+    return f"the script exited with {code}"
+
+
+def ran_no_step(trace: Trace) -> bool:
+    """The script ended before its first training step (its --help, an argparse error)."""
+    ran = trace.steps or trace.layers or trace.facts or trace.warnings
+    return not ran and trace.run.status != "running"
+
+
 def verdict(trace: Trace) -> Verdict:
     partial = partial_line(trace)
+    note = exit_note(trace)
     if has_problem(trace):
-        return Verdict("problem", "PROBLEM: " + _problem_text(trace) + rank_scope(trace), partial)
+        return Verdict("problem", "PROBLEM: " + _problem_text(trace) + rank_scope(trace), partial,
+                       note)
+    if ran_no_step(trace):  # nothing was checked: no OK verdict
+        ended = "exited" if trace.run.status in ("complete", "exited") else "stopped"
+        return Verdict("partial", f"the script {ended} before any training step", partial, note)
     n_warn = plural(len(trace.warnings), "warning")
     so_far = " so far" if partial else ""
     if trace.facts:
@@ -183,7 +204,7 @@ def verdict(trace: Trace) -> Verdict:
         text = f"OK{so_far}: no problem found ({benign}, see facts); {n_warn}"
     else:
         text = f"OK{so_far}: no non-finite values; {n_warn}"
-    return Verdict("partial" if partial else "ok", text, partial)
+    return Verdict("partial" if partial else "ok", text, partial, note)
 
 
 def _problem_text(trace: Trace) -> str:
@@ -373,6 +394,8 @@ class HiddenSteps:
     count: int = 0
     skipped: int = 0
     nonfinite: int = 0
+    first: int | None = None  # the first and last step index left out
+    last: int | None = None
 
     def describe(self) -> str:
         extra = [
@@ -381,6 +404,10 @@ class HiddenSteps:
             if n
         ]
         text = f"{plural(self.count, 'step')} hidden"
+        if self.first is not None and self.last is not None:
+            # the range first ("steps" is in the text already): short enough for the note column
+            extra.insert(0, f"{self.first}" if self.first == self.last
+                         else f"{self.first}–{self.last}")
         return text + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -427,6 +454,8 @@ def fold_step_list(
             hidden = HiddenSteps()
             out.append(hidden)
         hidden.count += 1
+        hidden.first = s.index if hidden.first is None else hidden.first
+        hidden.last = s.index
         hidden.skipped += s.skipped
         hidden.nonfinite += s.nonfinite
     return out

@@ -74,7 +74,7 @@ def render_terminal(
     >>> out = io.StringIO()
     >>> render_terminal(Trace(), Console(file=out, width=80, color_system=None))
     >>> out.getvalue().splitlines()[1].strip("│ ")
-    'OK: no non-finite values; 0 warnings'
+    'the script exited before any training step'
     """
     fmt = target_format(trace)
     if _precision.is_audit(trace):
@@ -102,7 +102,13 @@ def render_terminal(
         _section(console, "Recommendations")
         shown: list[str] = []
         for i, rec in enumerate(trace.recommendations, 1):
-            console.print(_recommendation(i, rec, shown))
+            group, code = _recommendation(i, rec, shown)
+            console.print(group)
+            if code:
+                # soft_wrap: code is never wrapped nor cropped, so that a pasted snippet is the
+                # snippet; a line wider than the terminal overflows it
+                console.print(_snippet(code), soft_wrap=True)
+                console.print()
         if verification_lines(trace):
             console.print(_bullets(verification_lines(trace), indent=0, style="dim"))
     if trace.facts:
@@ -127,6 +133,8 @@ def _verdict_panel(trace: Trace, fmt: NumberFormat) -> Panel:
     if v.partial:
         body.append(v.partial + "\n", style="bold yellow")
     body.append(v.headline, style=_VERDICT_STYLE[v.level])
+    if v.note:
+        body.append("\n" + v.note, style="bold")
     facts = _run_line(trace, fmt)
     if facts:
         body.append("\n" + facts, style="dim")
@@ -229,8 +237,9 @@ def _more(console: Console, hidden: int, what: str) -> None:
 
 
 # the module table's numeric columns and their widths; "type" gets 9 to 14 columns
+# (each as wide as its longest value: fmt_num 8, fmt_binades 5, fmt_pct 5, fmt_compact 5)
 _NUMBER_COLUMNS = (("fwd\namax", 8), ("bwd\namax", 8), ("head-\nroom", 5),
-                   ("under\nflow", 5), ("nan/\ninf", 4))  # fmt: skip
+                   ("under\nflow", 5), ("nan/\ninf", 5))  # fmt: skip
 _SEPARATORS = 2 * (len(_NUMBER_COLUMNS) + 1)  # padding and divider after each column but the last
 
 
@@ -303,7 +312,9 @@ def _timeline(trace: Trace, show_all: bool) -> Table:
     table.add_column("note", overflow="fold", ratio=1)
     for item in fold_steps(trace, show_all=show_all):
         if isinstance(item, HiddenSteps):
-            table.add_row("…", "", "", "", "", Text(item.describe(), style="dim"))
+            # a mark in every column where its values sit, the text where notes start
+            mark = Text("⋮", style="dim")
+            table.add_row(mark, mark, mark, mark, mark, Text(item.describe(), style="dim"))
             continue
         s = item
         note = []
@@ -326,7 +337,7 @@ def _timeline(trace: Trace, show_all: bool) -> Table:
     return table
 
 
-def _recommendation(i: int, rec: Recommendation, shown: list[str]) -> Group:
+def _recommendation(i: int, rec: Recommendation, shown: list[str]) -> tuple[Group, str]:
     head = Text(f"{i}. ", style="bold")
     head.append(rec.type, style="bold cyan")
     value = fmt_value(rec.value)
@@ -365,11 +376,8 @@ def _recommendation(i: int, rec: Recommendation, shown: list[str]) -> Group:
         code = rec.helper.rstrip("\n") + "\n\n\n" + code
     elif rec.helper:
         code = f"# uses {_helper_name(rec.helper)}, shown above\n" + code
-    if code:
-        parts.append(Padding(_code(code), (1, 0, 1, 3)))
-    else:
-        parts.append(Text())
-    return Group(*parts)
+    parts.append(Text())  # the code, if any, follows: printed by the caller (see _snippet)
+    return Group(*parts), code
 
 
 def _helper_name(helper: str) -> str:
@@ -379,9 +387,13 @@ def _helper_name(helper: str) -> str:
     return "the helper"
 
 
-def _code(code: str) -> Syntax:
-    return Syntax(code, "python", theme="ansi_dark", background_color="default",
-                  word_wrap=True)
+def _snippet(snippet: str, indent: str = "   ") -> Text:
+    """The code highlighted, each line indented, for printing with ``soft_wrap=True``."""
+    code = snippet.rstrip("\n")
+    text = Syntax(code, "python", theme="ansi_dark", background_color="default").highlight(code)
+    text.rstrip()
+    lines = text.split("\n", allow_blank=True)
+    return Text("\n").join(Text.assemble(indent, line) if line.plain else line for line in lines)
 
 
 def _facts(console: Console, trace: Trace, show_all: bool) -> None:
@@ -456,7 +468,9 @@ def _rank_timeline(steps: list[StepRecord], ff: Failure | None, show_all: bool) 
     items = fold_step_list(steps, fail_step, head=2, tail=2, notable=4, show_all=show_all)
     for item in items:
         if isinstance(item, HiddenSteps):
-            table.add_row("…", "", "", "", "", Text(item.describe(), style="dim"))
+            # a mark in every column where its values sit, the text where notes start
+            mark = Text("⋮", style="dim")
+            table.add_row(mark, mark, mark, mark, mark, Text(item.describe(), style="dim"))
             continue
         s = item
         note = "first failure" if s.index == fail_step else ("non-finite" if s.nonfinite else "")
