@@ -9,8 +9,18 @@
 from __future__ import annotations
 
 from ._version import __version__
-from .capture import Hunt, watch
+from .capture import Hunt, Sentinel, StopRun, sentinel, watch
 from .errors import NanhuntError
 from .formats import FORMATS, get_format
 
-__all__ = ["FORMATS", "Hunt", "NanhuntError", "__version__", "get_format", "watch"]
+__all__ = [
+    "FORMATS",
+    "Hunt",
+    "NanhuntError",
+    "Sentinel",
+    "StopRun",
+    "__version__",
+    "get_format",
+    "sentinel",
+    "watch",
+]

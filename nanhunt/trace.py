@@ -271,6 +271,7 @@ class RunInfo:
     status: str = "complete"  # complete | stopped | crashed | interrupted | running
     error: str | None = None
     exit_code: int | None = None
+    mode: str = "full"  # full | sentinel: how the steps were watched
 
 
 @dataclass
