@@ -29,6 +29,7 @@ class Judge:
         self.last_counted_skip = -1
         self.problem_steps: list[int] = []
         self.failure_order = self.origin_order = 0
+        self.dismissed: set[int] = set()  # steps that may no longer become the first failure
 
     def before_failure(self, meta: _Meta) -> bool:
         """Per-layer ranges stop at the origin: what follows it is contaminated."""
@@ -77,7 +78,7 @@ class Judge:
         rec.nonfinite = True
         if d.index not in self.problem_steps:
             self.problem_steps.append(d.index)
-        if self.first_failure is not None:
+        if self.first_failure is not None or d.index in self.dismissed:
             return
         self.problem = problem
         origin_step = d

@@ -104,7 +104,8 @@ class Sentinel(Session):
     # -- per step ---------------------------------------------------------------------------
 
     def _flush(self) -> None:
-        if self.cur.opt_params is None and self.cur.clip_norm is None and self._active:
+        if self.cur.opt_params is None and self.cur.clip_norm is None and self._active \
+                and self.cur.did_backward:
             opt = self.optimizer_for_replay()  # a skipped step: no optimizer hook ran
             if opt is not None:
                 self.cur.opt_params = [p for g in opt.param_groups for p in g["params"]]
@@ -205,6 +206,7 @@ class Sentinel(Session):
     def _undo_problem(self, d: _StepData, keep_mark: bool = False) -> None:
         self.judge.first_failure = None
         self.judge.problem = None
+        self.judge.dismissed.add(d.index)  # (its later rows must not locate it again)
         self._stop_pending = False
         if not keep_mark:
             d.problem = None
