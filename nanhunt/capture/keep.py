@@ -4,7 +4,6 @@ gradient check before the optimizer step."""
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,7 @@ from ._util import (
     _version,
 )
 from .loss import LossObserver
-from .state import Part, _Meta
+from .state import Part
 
 
 @dataclass
@@ -55,6 +54,7 @@ class StepKeep:
     loss: torch.Tensor | None = None  # the unscaled loss given to backward / scaler.scale
     targets: list[tuple[torch.Tensor, str]] = field(default_factory=list)  # (target, loss op)
     closure: bool = False  # the optimizer ran a closure (LBFGS): not replayed
+    grad_checked: bool = False  # the gradient check ran (no GradScaler did it)
     scaled: bool = False  # the loss went through GradScaler.scale
 
     def nbytes(self) -> int:
@@ -187,11 +187,15 @@ class RootWatch(Part):
 
 
 class KeptLoss(LossObserver):
-    """The loss observer of full tracing, which also keeps the loss and its targets by
-    reference for the replay (the targets' graph nodes are walked, no row is queued)."""
+    """The loss observer of full tracing, reduced to the loss's value (a device scalar: its
+    finiteness and the timeline) and references to the loss and its targets for the replay."""
 
     def _record_loss(self, loss: torch.Tensor, role: str) -> None:
-        super()._record_loss(loss, role)
+        if self.s._full:  # (full tracing after a replay that did not reproduce)
+            super()._record_loss(loss, role)
+        elif _stats.summarizable(loss):
+            self.rec.scalar(loss.detach().float().mean() if loss.numel() != 1 else loss,
+                            "loss")
         keep = self.s.keep
         keep.loss = loss
         keep.scaled = self.cur.step_scaler
@@ -216,11 +220,11 @@ class KeptLoss(LossObserver):
 
 
 class GradCheck(Part):
-    """One fused norm per device over the gradients the optimizer is about to apply: a
-    flags-only row per parameter (NaN/inf) and the step's gradient norm."""
+    """One fused norm per device over the gradients the optimizer is about to apply: the
+    step's gradient norm, non-finite when any gradient is (the sentinel then looks closer)."""
 
     def install(self, stack: Any) -> None:
-        # registered before the optimizer observer's pre-hook, whose transfer carries the rows
+        # registered before the optimizer observer's pre-hook, whose transfer carries the norm
         stack.enter_context(_O.register_optimizer_step_pre_hook(self._on_opt_pre))
 
     @_safe
@@ -229,6 +233,8 @@ class GradCheck(Part):
         if not s._active or s._full:  # full tracing records the gradients row by row
             return
         s._optimizers.setdefault(id(optimizer), weakref.ref(optimizer))
+        if s.cur.step_scaler:
+            return  # GradScaler's found_inf has checked these gradients already
         if kwargs.get("closure") is not None or (args and callable(args[0])):
             s.keep.closure = True
             return  # the closure's backward has not run yet
@@ -241,34 +247,22 @@ class GradCheck(Part):
         for p in params:
             g = p.grad
             if g is not None and not g.is_sparse and _stats.summarizable(g):
-                by_device.setdefault(g.device, []).append(p)
+                by_device.setdefault(g.device, []).append(g)
         total = None
-        for device, ps in by_device.items():
-            norms = torch.stack(_foreach_norm([p.grad for p in ps], 2.0)).double()
-            rows = torch.zeros((len(ps), _stats.ROW_LEN), dtype=torch.float64, device=device)
-            rows[:, 1] = torch.isnan(norms).double()
-            rows[:, 2] = torch.isinf(norms).double()
-            rows[:, 6] = math.inf
-            s.recorder.pending_rows.extend(rows.unbind(0))
-            for p in ps:
-                name, owner = s.naming.param_names.get(p, ("<param>", ""))
-                g = p.grad
-                s.recorder.metas.append(_Meta(
-                    step=s._step, order=s.cur.next_order(), phase="backward", module=owner,
-                    tensor=f"{name}.grad", role="param_grad",
-                    dtype=str(g.dtype).removeprefix("torch."), shape=tuple(g.shape),
-                    owner=owner, approx=_grad_of(p)))
-            part = norms.pow(2).sum()
+        for grads in by_device.values():
+            part = torch.stack(_foreach_norm(grads, 2.0)).double().pow(2).sum()
             total = part if total is None else total + part.to(total.device)
         if total is not None and s.cur.clip_norm is None:
-            s.cur.clip_norm = total.sqrt()
+            s.cur.clip_norm = total.sqrt()  # the optimizer observer files it with the step
+        s.keep.grad_checked = total is not None
 
 
-def _grad_of(p: torch.Tensor) -> Any:
-    ref = weakref.ref(p)
-
-    def grad() -> torch.Tensor | None:
-        param = ref()
-        return param.grad if param is not None else None
-
-    return grad
+def grad_rows(session: Any, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, str, str]]:
+    """The parameters whose gradients hold NaN/inf, exactly (at a failure only)."""
+    bad = []
+    for p in params:
+        g = p.grad
+        if g is not None and not g.is_sparse and _stats.summarizable(g) and \
+                not bool(torch.isfinite(g).all()):
+            bad.append((p, *session.naming.param_names.get(p, ("<param>", ""))))
+    return bad

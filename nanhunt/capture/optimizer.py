@@ -12,7 +12,7 @@ import torch
 from torch.optim import optimizer as _O
 
 from .. import stats as _stats
-from ._util import _foreach_norm, _safe, patch
+from ._util import _foreach_amax, _foreach_norm, _safe, patch
 from .state import Part, _Meta
 
 
@@ -20,6 +20,12 @@ class OptimizerObserver(Part):
     """What an optimizer step does: before it, the step's one transfer (the weights are about
     to change); after it, each updated parameter's amax and finiteness from one fused kernel per
     device; the gradient norm the optimizer stepped on."""
+
+    def __init__(self, session: Any, *, check_params: bool = True,
+                 measure_grads: bool = True) -> None:
+        super().__init__(session)
+        self.check_params = check_params  # rows for the updated parameters
+        self.measure_grads = measure_grads  # the gradient norm, unless measured already
 
     def install(self, stack: Any) -> None:
         stack.enter_context(_O.register_optimizer_step_pre_hook(self._on_opt_pre))
@@ -65,7 +71,7 @@ class OptimizerObserver(Part):
             self.s._flush()  # the closure ran the forward and backward inside step()
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None and _stats.summarizable(p) and not p.is_sparse]
-        if params:
+        if params and self.check_params:
             self._queue_params(params)
         # with one optimizer the step ends here (so a distributed run agrees on stopping
         # while every rank is still in step); once several optimizers step, at the next
@@ -106,7 +112,7 @@ class OptimizerObserver(Part):
         for p in params:
             by_device.setdefault(p.device, []).append(p)
         for device, ps in by_device.items():
-            norms = torch.stack(_foreach_norm(ps, math.inf)).double()
+            norms = _foreach_amax(ps)
             rows = torch.zeros((len(ps), _stats.ROW_LEN), dtype=torch.float64, device=device)
             # numel is filled in on the host (no host-to-device copy here)
             rows[:, 1] = torch.isnan(norms).double()
@@ -130,6 +136,9 @@ class OptimizerObserver(Part):
         if self.cur.clip_norm is not None:  # clip_grad_norm_ measured it already, unclipped
             self.rec.scalar(self.cur.clip_norm.double().pow(2), "grad_sumsq")
             self.cur.clip_norm, self.cur.grad_params, self.cur.opt_params = None, {}, None
+            return
+        if not self.measure_grads:
+            self.cur.grad_params, self.cur.opt_params = {}, None
             return
         params = self.cur.opt_params if self.cur.opt_params is not None else \
             self.cur.grad_params.values()

@@ -11,6 +11,7 @@ recorder and judge decide that a step failed; the step is then replayed under a 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import sys
@@ -23,9 +24,11 @@ from torch import nn
 
 from .. import stats as _stats
 from ..trace import Failure, RunInfo, Trace
+from ._util import _foreach_amax
 from .autograd import AutogradObserver
-from .keep import GradCheck, KeptLoss, RootWatch, StepKeep
+from .keep import GradCheck, KeptLoss, RootWatch, StepKeep, grad_rows
 from .modules import ModuleObserver
+from .optimizer import OptimizerObserver
 from .replay import Replay, replay_step
 from .session import Session, StopRun
 from .state import _StepData
@@ -63,6 +66,10 @@ class Sentinel(Session):
         self.roots = RootWatch(self)
         self.grads = GradCheck(self)
         self.loss = KeptLoss(self)
+        # no per-step pass over the updated parameters: a CPU step spends most of its time in
+        # such passes (the optimizer's), so they are checked once, when a step fails
+        self.optimizer_obs = OptimizerObserver(self, check_params=False, measure_grads=False)
+        self._last_update = -1  # the last step whose optimizer step ran
         self.keep = StepKeep(0)
         self._in_root: nn.Module | None = None
         self._optimizers: dict[int, Any] = {}
@@ -79,6 +86,8 @@ class Sentinel(Session):
         return [self.roots, self.loss, self.scaler_obs, self.grads, self.optimizer_obs]
 
     def _step_begun(self) -> None:
+        if self._optimizer_ran_step == self._step - 1:
+            self._last_update = self._step - 1
         self._full = self._tracing
         self._in_root = None
         self.keep = StepKeep(self._step)
@@ -104,11 +113,6 @@ class Sentinel(Session):
     # -- per step ---------------------------------------------------------------------------
 
     def _flush(self) -> None:
-        if self.cur.opt_params is None and self.cur.clip_norm is None and self._active \
-                and self.cur.did_backward:
-            opt = self.optimizer_for_replay()  # a skipped step: no optimizer hook ran
-            if opt is not None:
-                self.cur.opt_params = [p for g in opt.param_groups for p in g["params"]]
         super()._flush()
         if self._active:
             self._after_flush()
@@ -136,6 +140,9 @@ class Sentinel(Session):
             self._streak = (self.keep, d.scale)  # the first skip of a streak: kept for a collapse
         if d.loss is not None and math.isfinite(d.loss) and d.index not in self._handled:
             self._check_spike(d)
+        if d.problem is None and d.grad_sumsq is not None and not math.isfinite(d.grad_sumsq) \
+                and d.index == self.keep.step and self.keep.grad_checked:
+            self._check_grads(d, rec)
         for index in sorted(self.judge.problem_steps):
             if index in self._handled or self._diagnosed:
                 continue
@@ -143,6 +150,28 @@ class Sentinel(Session):
             failed = self.recorder.find_step(index)
             if failed is not None and failed.problem is not None:
                 self._guard(self._trip, failed)
+
+    def _check_grads(self, d: _StepData, rec: Any) -> None:
+        """The gradient norm is non-finite: which gradients are (exactly, once)."""
+        opt = self.optimizer_for_replay()
+        params = [p for g in opt.param_groups for p in g["params"]] if opt else []
+        bad = grad_rows(self, params)
+        if not bad:  # the float32 norm of finite, very large gradients overflowed
+            self.judge.note_fact(("grad-norm", "", str(d.index)),
+                                 f"step {d.index}: the gradient norm overflowed float32; "
+                                 "every gradient was finite")
+            return
+        d.problem = "grad"
+        rec.nonfinite = True
+        if d.index not in self.judge.problem_steps:
+            self.judge.problem_steps.append(d.index)
+        p, name, owner = bad[0]
+        if self.judge.first_failure is None:  # until the replay names the origin
+            stats = _stats.decode(_stats.summarize(p.grad, self.format).cpu().numpy(),
+                                  str(p.grad.dtype).removeprefix("torch."),
+                                  tuple(p.grad.shape), self.format)
+            self.judge.first_failure = Failure(step=d.index, phase="backward", module=owner,
+                                               tensor=f"{name}.grad", stats=stats)
 
     def _check_spike(self, d: _StepData) -> None:
         if len(self._losses) >= SPIKE_MIN:
@@ -165,16 +194,9 @@ class Sentinel(Session):
                                   "replay had not reproduced its failure)")
                 self._finish()
             return
-        coarse = self.judge.first_failure
-        if problem == "grad" and coarse is not None and not _nonfinite(coarse):
-            # the float32 norm of finite, very large gradients overflowed: not a failure
-            self._undo_problem(d)
-            self.judge.note_fact(("grad-norm", "", coarse.tensor),
-                                 f"step {d.index}: the norm of {coarse.tensor} overflowed "
-                                 "float32; every value was finite")
-            return
-        if problem == "param":
-            self._optimizer_made(d, coarse)
+        bad = self._nonfinite_params()
+        if bad:  # the weights were already non-finite: an earlier optimizer step made them so
+            self._optimizer_made(d, bad)
             return
         keep, scale = (self._streak if problem == "collapse" and self._streak else
                        (self.keep, d.scale))
@@ -262,40 +284,68 @@ class Sentinel(Session):
             if fact not in self.judge.facts:
                 self.judge.facts.append(fact)
 
-    def _optimizer_made(self, d: _StepData, coarse: Failure | None) -> None:
-        """The update made the parameters non-finite: the sentinel's own parameter check is the
-        same reduction full tracing records, so the failure stands as found; the forward is
-        replayed on the updated parameters only for the culprit's op-level snapshot."""
-        if coarse is None:
-            return
-        if self.keep.step == d.index:
-            r = replay_step(self, self.keep, scale=d.scale, collapse=False, preset=coarse)
+    @torch.no_grad()
+    def _nonfinite_params(self) -> list[tuple[torch.Tensor, str, str]]:
+        """The optimizer's non-finite parameters, in its order (one pass, at a failure only)."""
+        opt = self.optimizer_for_replay()
+        params = [p for g in opt.param_groups for p in g["params"]] if opt is not None else \
+            list(self.naming.param_names)
+        params = [p for p in params if _stats.summarizable(p) and not p.is_sparse]
+        bad = []
+        for device in {p.device for p in params}:
+            ps = [p for p in params if p.device == device]
+            amax = _foreach_amax(ps)
+            bad_idx = set(torch.nonzero(~torch.isfinite(amax)).flatten().tolist())
+            bad += [(p, *self.naming.param_names.get(p, ("<param>", "")))
+                    for i, p in enumerate(ps) if i in bad_idx]
+        order = {id(p): i for i, p in enumerate(params)}
+        return sorted(bad, key=lambda b: order[id(b[0])])
+
+    def _optimizer_made(self, d: _StepData, bad: list[tuple[torch.Tensor, str, str]]) -> None:
+        """Weights went non-finite in an optimizer step whose gradients were finite (checked
+        then): the failure is that update, named as full tracing names it; the forward of this
+        step is replayed on those weights for the culprit's op-level snapshot."""
+        p, name, owner = bad[0]
+        row = _stats.summarize(p, self.format).cpu().numpy()
+        stats = _stats.decode(row, str(p.dtype).removeprefix("torch."), tuple(p.shape),
+                              self.format)
+        step = self._last_update
+        failure = Failure(step=step, phase="optimizer", module=owner, tensor=name, stats=stats)
+        self._undo_problem(d, keep_mark=True)
+        self.judge.first_failure = failure
+        self.judge.problem = "param"
+        rec = self.recorder.step_records.get(step)
+        if rec is not None:
+            rec.nonfinite = True
+        if step not in self.judge.problem_steps:
+            self.judge.problem_steps.append(step)
+        if self.keep.calls:
+            preset = Failure(step=self.keep.step, phase="optimizer", module=owner, tensor=name,
+                             stats=stats)
+            r = replay_step(self, self.keep, scale=d.scale, collapse=False, preset=preset)
             self.replay = r
             if r.hunt is not None:
                 self.snapshot = r.hunt.snapshot
-        self._param_grad_evidence(coarse)
+        others = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         self.notes.append(
-            f"sentinel: the optimizer step at step {d.index} made {coarse.tensor} non-finite, "
-            "found by the sentinel's check of the updated parameters (the reduction full "
-            "tracing records too); the update itself was not replayed (it overwrote the "
-            "parameters it read); the forward was replayed on the updated parameters for the "
-            "op-level zoom")
+            f"sentinel: the optimizer step at step {step} made {name}{others} non-finite from "
+            f"finite gradients; found when step {d.index} failed ({_what(d.problem)}), by one "
+            "pass over the weights; the update itself was not replayed (it overwrote what it "
+            "read); the forward of step "
+            f"{self.keep.step} was replayed on the updated weights for the op-level zoom")
         self._finish()
 
-    @torch.no_grad()
-    def _param_grad_evidence(self, f: Failure) -> None:
-        """The failing module's gradients of this step, summarised exactly (still in .grad)."""
-        from .state import _Meta
-
-        for p, (name, owner) in list(self.naming.param_names.items()):
-            if owner != f.module or p.grad is None or not _stats.summarizable(p.grad):
-                continue
-            row = _stats.summarize(p.grad, self.format).cpu().numpy()
-            meta = _Meta(step=f.step, order=0, phase="backward", module=owner,
-                         tensor=f"{name}.grad", role="param_grad",
-                         dtype=str(p.grad.dtype).removeprefix("torch."),
-                         shape=tuple(p.grad.shape), owner=owner)
-            self.recorder.accumulate_into(owner, meta, row)
+    def stop(self) -> None:
+        if self._stack is not None and self._active and not self._diagnosed and \
+                self._last_update >= 0:
+            with contextlib.suppress(Exception):  # the last update, which no step followed
+                bad = self._nonfinite_params()
+                if bad and self._optimizer_ran_step == self._step:
+                    self._last_update = self._step
+                if bad:
+                    d = self.recorder.data_for(self._last_update)
+                    self._optimizer_made(d, bad)
+        super().stop()
 
     def _compiled_only(self, keep: StepKeep, r: Replay, d: _StepData) -> bool:
         """A compiled root's output was non-finite and its eager replay on the same inputs was
@@ -336,6 +386,7 @@ class Sentinel(Session):
         assert self._stack is not None
         self.modules.install(self._stack)
         self.autograd.install(self._stack)
+        self.optimizer_obs.check_params = self.optimizer_obs.measure_grads = True
         for p in list(self.naming.param_names.keys()):
             self.autograd.hook_param(p)
         self.naming.on_param = self.autograd.hook_param
@@ -400,10 +451,6 @@ def _what(problem: str | None) -> str:
     return {"loss": "a non-finite loss", "grad": "non-finite gradients",
             "collapse": "a collapsing loss scale", "param": "non-finite parameters",
             "output": "a non-finite model output"}.get(problem or "", "a failure")
-
-
-def _nonfinite(f: Failure) -> bool:
-    return bool(f.stats.nan or f.stats.posinf or f.stats.neginf)
 
 
 def _counts(t: torch.Tensor) -> tuple[int, int, int]:
