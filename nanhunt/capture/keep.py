@@ -224,8 +224,19 @@ class GradCheck(Part):
     step's gradient norm, non-finite when any gradient is (the sentinel then looks closer)."""
 
     def install(self, stack: Any) -> None:
-        # registered before the optimizer observer's pre-hook, whose transfer carries the norm
+        # registered before the optimizer observer's hooks: its pre-hook's transfer carries the
+        # norm, its post-hook ends the step
         stack.enter_context(_O.register_optimizer_step_pre_hook(self._on_opt_pre))
+        stack.enter_context(_O.register_optimizer_step_post_hook(self._on_opt_post))
+
+    @_safe
+    def _on_opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The weights' in-place edit counters after the update: a weight found non-finite
+        later whose counter has not moved since holds what an optimizer step wrote."""
+        s = self.s
+        if s._active:
+            s._versions.update({id(p): (_version(p), s._step) for g in optimizer.param_groups
+                                for p in g["params"]})
 
     @_safe
     def _on_opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import stats as _stats
 from ..trace import Failure, RunInfo, Trace
-from ._util import _foreach_amax
+from ._util import _foreach_amax, _version
 from .autograd import AutogradObserver
 from .keep import GradCheck, KeptLoss, RootWatch, StepKeep, grad_rows
 from .modules import ModuleObserver
@@ -70,6 +70,7 @@ class Sentinel(Session):
         # such passes (the optimizer's), so they are checked once, when a step fails
         self.optimizer_obs = OptimizerObserver(self, check_params=False, measure_grads=False)
         self._last_update = -1  # the last step whose optimizer step ran
+        self._versions: dict[int, tuple[int, int]] = {}  # id(weight) -> (counter, step) after it
         self.keep = StepKeep(0)
         self._in_root: nn.Module | None = None
         self._optimizers: dict[int, Any] = {}
@@ -194,7 +195,7 @@ class Sentinel(Session):
                                   "replay had not reproduced its failure)")
                 self._finish()
             return
-        bad = self._nonfinite_params()
+        bad = self._optimizer_wrote(self._nonfinite_params())
         if bad:  # the weights were already non-finite: an earlier optimizer step made them so
             self._optimizer_made(d, bad)
             return
@@ -301,6 +302,11 @@ class Sentinel(Session):
         order = {id(p): i for i, p in enumerate(params)}
         return sorted(bad, key=lambda b: order[id(b[0])])
 
+    def _optimizer_wrote(self, bad: list[tuple[torch.Tensor, str, str]]) -> list[Any]:
+        """Those of ``bad`` nothing has edited in place since an optimizer step wrote them
+        (a weight changed after it, by a load or the user's code, is the forward's input)."""
+        return [b for b in bad if self._versions.get(id(b[0]), (None, -1))[0] == _version(b[0])]
+
     def _optimizer_made(self, d: _StepData, bad: list[tuple[torch.Tensor, str, str]]) -> None:
         """Weights went non-finite in an optimizer step whose gradients were finite (checked
         then): the failure is that update, named as full tracing names it; the forward of this
@@ -309,7 +315,7 @@ class Sentinel(Session):
         row = _stats.summarize(p, self.format).cpu().numpy()
         stats = _stats.decode(row, str(p.dtype).removeprefix("torch."), tuple(p.shape),
                               self.format)
-        step = self._last_update
+        step = self._versions.get(id(p), (0, self._last_update))[1]
         failure = Failure(step=step, phase="optimizer", module=owner, tensor=name, stats=stats)
         self._undo_problem(d, keep_mark=True)
         self.judge.first_failure = failure
@@ -339,11 +345,9 @@ class Sentinel(Session):
         if self._stack is not None and self._active and not self._diagnosed and \
                 self._last_update >= 0:
             with contextlib.suppress(Exception):  # the last update, which no step followed
-                bad = self._nonfinite_params()
-                if bad and self._optimizer_ran_step == self._step:
-                    self._last_update = self._step
+                bad = self._optimizer_wrote(self._nonfinite_params())
                 if bad:
-                    d = self.recorder.data_for(self._last_update)
+                    d = self.recorder.data_for(self._versions[id(bad[0][0])][1])
                     self._optimizer_made(d, bad)
         super().stop()
 
