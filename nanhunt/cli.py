@@ -60,6 +60,9 @@ def _diagnose_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     p.add_argument("--sample-every", type=int, default=1, metavar="N",
                    help="full statistics every N steps, a cheap finite check otherwise")
+    p.add_argument("--mode", choices=("full", "sentinel"), default="full",
+                   help="full: trace every step; sentinel: cheap checks every step, the "
+                        "failing step replayed with full tracing (default: %(default)s)")
     p.add_argument("--keep-steps", type=int, default=64, metavar="N",
                    help="steps of detailed records kept in memory (default: %(default)s)")
     p.add_argument("--all", action="store_true", dest="show_all",
@@ -73,7 +76,7 @@ def _diagnose_parser() -> argparse.ArgumentParser:
 
 
 _VALUE_OPTIONS = {"--out", "--target", "--max-steps", "--allow-inf", "--sample-every",
-                  "--keep-steps", "--nproc-per-node"}
+                  "--keep-steps", "--nproc-per-node", "--mode"}
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], str | None, str | None, list[str]]:
@@ -215,6 +218,8 @@ def cmd_diagnose(argv: Sequence[str]) -> int:
                                                             opts.nproc_per_node)):
         if value is not None and value < 1:
             raise NanhuntError(f"{name} must be at least 1")
+    if opts.mode == "sentinel" and opts.sample_every != 1:
+        raise NanhuntError("--sample-every applies to --mode full only")
     from .runner import Target
 
     target = Target(script=script, module=module, args=script_args)
@@ -240,15 +245,18 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
 
     ctx = RankContext.from_env(out_dir)
     live = _LiveLine(enabled=not opts.quiet and ctx.rank == 0)
-    hunt = Hunt(
-        target=opts.target,
-        keep_steps=opts.keep_steps,
-        allow_inf=opts.allow_inf,
-        sample_every=opts.sample_every,
-        stop_on_problem=not opts.keep_going,
-        max_steps=opts.max_steps,
-        on_step=ctx.step_hook(live.update),  # distributed: every rank stops at the same step
-    )
+    common = {"target": opts.target, "keep_steps": opts.keep_steps,
+              "allow_inf": opts.allow_inf, "max_steps": opts.max_steps,
+              # distributed: every rank stops at the same step
+              "on_step": ctx.step_hook(live.update)}
+    if opts.mode == "sentinel":
+        from .capture import Sentinel
+
+        # the reports are written below, after the run, as for full tracing
+        hunt: Any = Sentinel(out=None, stop=not opts.keep_going, **common)
+    else:
+        hunt = Hunt(sample_every=opts.sample_every, stop_on_problem=not opts.keep_going,
+                    **common)
     run = _run_info(argv, target.argv0, torch.__version__)
     run.world_size = ctx.world_size
     old_term = None
