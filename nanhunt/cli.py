@@ -50,8 +50,9 @@ def _diagnose_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--out", default="nanhunt-report", metavar="DIR",
                    help="folder for report.json, report.html, report.txt (default: %(default)s)")
-    p.add_argument("--target", default="float16", choices=sorted(FORMATS),
-                   help="format to judge ranges against (default: %(default)s)")
+    p.add_argument("--target", default=None, choices=sorted(FORMATS),
+                   help="format to judge ranges against (default: the low-precision format "
+                   "autocast or the parameters use, float16 when the run has none)")
     p.add_argument("--keep-going", action="store_true",
                    help="let the script run on after the first failure")
     p.add_argument("--max-steps", type=int, metavar="N", help="stop the script after N steps")
@@ -335,6 +336,9 @@ def cmd_report(argv: Sequence[str]) -> int:
     p.add_argument("report", help="path to report.json")
     p.add_argument("--html", metavar="OUT", help="also write a self-contained HTML page")
     p.add_argument("--all", action="store_true", dest="show_all", help="show every module")
+    p.add_argument("--tensorboard", metavar="LOGDIR",
+                   help="also write the per-step series as TensorBoard events into LOGDIR "
+                   "(needs nanhunt[tensorboard])")
     opts = p.parse_args(list(argv))
     from .report import render_html, render_terminal
     from .report.files import atomic_write_text
@@ -354,6 +358,11 @@ def cmd_report(argv: Sequence[str]) -> int:
     if opts.html:
         atomic_write_text(Path(opts.html), render_html(trace))
         print(f"nanhunt: wrote {opts.html}", file=sys.stderr)
+    if opts.tensorboard:
+        from .report.tensorboard import export_tensorboard
+
+        n = export_tensorboard(trace, opts.tensorboard)
+        print(f"nanhunt: wrote {n} TensorBoard points to {opts.tensorboard}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "Failure",
     "Finding",
     "LayerStats",
+    "LayerStep",
     "OpRecord",
     "RankSummary",
     "Recommendation",
@@ -166,6 +167,17 @@ class LayerStats:
 
 
 @dataclass
+class LayerStep:
+    """One module's ranges in one step, for per-step views (TensorBoard): kept for the last
+    ``keep_steps`` steps only, so that a report stays small."""
+
+    module: str
+    step: int
+    forward: TensorStats | None = None  # outputs
+    backward: TensorStats | None = None  # gradients w.r.t. outputs, as computed (scaled)
+
+
+@dataclass
 class OpRecord:
     """One aten op seen while replaying the culprit."""
 
@@ -271,6 +283,10 @@ class RunInfo:
     status: str = "complete"  # complete | stopped | crashed | interrupted | running
     error: str | None = None
     exit_code: int | None = None
+    # where the target came from: option | autocast | parameters | precision (a framework's
+    # setting, e.g. Lightning's "bf16-mixed") | default (nothing ran in low precision)
+    target_source: str = ""
+    framework: str = ""  # "lightning 2.6.6", "transformers 5.24.0" when a callback recorded it
     mode: str = "full"  # full | sentinel: how the steps were watched
 
 
@@ -295,6 +311,8 @@ class Trace:
     snapshot: str | None = None  # file name of the culprit snapshot, beside the report
     # unscaled gradient exponent histograms (binade -> count) by the gradients' dtype
     grad_hist: dict[str, dict[int, int]] = field(default_factory=dict)
+    # per-module, per-step ranges of the last keep_steps steps (for nanhunt report --tensorboard)
+    layer_steps: list[LayerStep] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # limits of this report (e.g. a stage failed)
     schema_version: int = SCHEMA_VERSION
 

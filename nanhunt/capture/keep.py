@@ -150,6 +150,9 @@ class RootWatch(Part):
         if not s._active or _in_backward() or s._in_root is not None:
             return
         s._end_step_if_over()
+        if s._target_auto:  # the format the run uses, as full tracing decides it
+            for m in module.modules():
+                s._resolve_target(m)
         s._in_root = module
         keep = s.keep
         leaves = _call_leaves(args, kwargs)
@@ -182,7 +185,8 @@ class RootWatch(Part):
         s.devices.add(call.device_type)
         if call.autocast[0]:
             s.autocast_seen = True
-        if not grad_on and not (s.cur.did_backward or s._saw_optimizer or s.scaler_seen):
+        if not grad_on and not (s.cur.did_backward or s._saw_optimizer or s.scaler_seen
+                                or s._optimizer_exists):
             s._end_step()  # inference only: each call of the model is a step
 
 
@@ -246,9 +250,10 @@ class GradCheck(Part):
         s._optimizers.setdefault(id(optimizer), weakref.ref(optimizer))
         if s.cur.step_scaler:
             return  # GradScaler's found_inf has checked these gradients already
-        if kwargs.get("closure") is not None or (args and callable(args[0])):
+        # (args[0] is the optimizer; a closure comes as closure= or LBFGS's first argument)
+        if callable(kwargs.get("closure")) or (len(args) > 1 and callable(args[1])):
             s.keep.closure = True
-            return  # the closure's backward has not run yet
+            return  # the closure's backward has not run yet: checked at its transfer
         self.check([p for g in optimizer.param_groups for p in g["params"]])
 
     @torch.no_grad()

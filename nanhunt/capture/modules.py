@@ -57,6 +57,8 @@ class ModuleObserver(Part):
             return  # activation-checkpoint recompute
         if not self.cur.frames:
             self.s._end_step_if_over()
+        if self.s._target_auto:
+            self.s._resolve_target(module)
         if not self.s._full:
             return
         name = self.s.naming.name_of(module, self.cur.frames)
@@ -158,8 +160,10 @@ class ModuleObserver(Part):
                 s.autocast_seen = True
         s.devices.add(outs[0][1].device.type if outs else "cpu")
         if parent is None and not grad_on and not (cur.did_backward or s._saw_optimizer
-                                                   or s.scaler_seen):
-            s._end_step()  # inference only: each call of the model is a step
+                                                   or s.scaler_seen or s._optimizer_exists):
+            # inference only: each call of the model is a step (with an optimizer built, a
+            # no-grad call is evaluation between training steps, as a framework's sanity check)
+            s._end_step()
 
     def _alias_through(self, args: tuple, output: Any) -> bool:
         """Dropout only masks and rescales by 1/(1-p): its output's values add nothing to its

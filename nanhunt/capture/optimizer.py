@@ -16,6 +16,27 @@ from ._util import _foreach_amax, _foreach_norm, _safe, patch
 from .state import Part, _Meta
 
 
+class _Closure:
+    """The closure an optimizer step runs (Lightning's training step, LBFGS's re-evaluation):
+    forwards inside it belong to the step in flight, and the step's transfer follows its first
+    call, before the optimizer changes the weights. It returns exactly what the closure
+    returns."""
+
+    def __init__(self, session: Any, fn: Any) -> None:
+        self.s, self.fn, self.calls = session, fn, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.s._in_closure += 1
+        try:
+            result = self.fn(*args, **kwargs)
+        finally:
+            self.s._in_closure -= 1
+        self.calls += 1
+        if self.calls == 1 and self.s._active:
+            self.s._guard(self.s._flush)
+        return result
+
+
 class OptimizerObserver(Part):
     """What an optimizer step does: before it, the step's one transfer (the weights are about
     to change); after it, each updated parameter's amax and finiteness from one fused kernel per
@@ -24,6 +45,7 @@ class OptimizerObserver(Part):
     def __init__(self, session: Any, *, check_params: bool = True,
                  measure_grads: bool = True) -> None:
         super().__init__(session)
+        self._closure: _Closure | None = None
         self.check_params = check_params  # rows for the updated parameters
         self.measure_grads = measure_grads  # the gradient norm, unless measured already
 
@@ -38,9 +60,9 @@ class OptimizerObserver(Part):
                 owner.clip_grad_norm_ = clip
 
     @_safe
-    def _on_opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _on_opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         if not self.s._active:
-            return
+            return None
         self.s._saw_optimizer = True
         self.s._optimizers_seen.add(id(optimizer))
         scaler = self.s._scaler_ref() if self.s._scaler_ref is not None else None
@@ -57,18 +79,29 @@ class OptimizerObserver(Part):
         # the norm of what this optimizer steps on (a GAN's other model may hold gradients
         # that no optimizer uses, still scaled)
         self.cur.opt_params = [p for g in optimizer.param_groups for p in g["params"]]
-        if kwargs.get("closure") is not None or (args and callable(args[0])):
-            # LBFGS & co: the transfer waits for the closure
+        # args[0] is the optimizer itself; a closure comes as closure= (Lightning) or as the
+        # first positional argument (LBFGS's optimizer.step(closure))
+        if callable(kwargs.get("closure")):
             self.s._closure_step = self.s._step
-            return
+            self._closure = _Closure(self.s, kwargs["closure"])
+            return args, {**kwargs, "closure": self._closure}
+        if len(args) > 1 and callable(args[1]):
+            self.s._closure_step = self.s._step
+            self._closure = _Closure(self.s, args[1])
+            return (args[0], self._closure, *args[2:]), kwargs
+        self._closure = None
         self.s._flush()  # the step's one transfer, before the update changes the weights
+        return None
 
     @_safe
     def _on_opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.s._active:
             return
         if self.s._closure_step == self.s._step:
-            self.s._flush()  # the closure ran the forward and backward inside step()
+            # rows of the closure's later calls (LBFGS calls it several times); the gradient
+            # norm went with the first call's transfer
+            closure, self._closure = self._closure, None
+            self.s._flush(norm=closure is None or not closure.calls)
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None and _stats.summarizable(p) and not p.is_sparse]
         if params and self.check_params:

@@ -12,11 +12,13 @@ import torch
 
 from .. import stats as _stats
 from ..formats import NumberFormat
-from ..trace import LayerStats, ScalerEvent, StepRecord, TensorRecord, TensorStats
+from ..trace import LayerStats, LayerStep, ScalerEvent, StepRecord, TensorRecord, TensorStats
 from .state import _LayerAcc, _merge_rows, _Meta, _StepData
 
 _HIST_OFFSET = 320  # gradient histograms span binades -320..319 (room to unscale)
 HISTORY = 10_000  # steps of timeline and per-layer history kept (memory stays bounded)
+#: steps whose per-module statistics (histograms, underflow) are kept for per-step views
+LAYER_STEPS = 16
 
 
 class Recorder:
@@ -43,6 +45,8 @@ class Recorder:
         self.step_records: dict[int, StepRecord] = {}
         self.step_order: deque[int] = deque(maxlen=max(keep_steps, HISTORY))
         self.accs: dict[str, _LayerAcc] = {}
+        # step -> module -> [forward row, backward row, dtypes]: the last LAYER_STEPS steps
+        self.by_step: dict[int, dict[str, list[Any]]] = {}
         self.grad_hist: dict[str, np.ndarray] = {}
 
     def begin_step(self, step: int) -> None:
@@ -112,7 +116,10 @@ class Recorder:
         for (step, key), value in scalars:
             d = touched.get(step) or touched.setdefault(step, self.data_for(step))
             if key == "loss":
-                d.loss = float(value)
+                # several backwards in one step (gradient accumulation): the last loss, but a
+                # non-finite one sticks (an earlier micro-batch's NaN is the step's problem)
+                if d.loss is None or math.isfinite(d.loss):
+                    d.loss = float(value)
             elif key == "scale" or key == "scale_before":
                 d.scale = float(value)
             elif key == "scale_after":
@@ -156,14 +163,39 @@ class Recorder:
             acc.dtypes.add(meta.dtype)
             acc.forward = _merge_rows(acc.forward, row)
             acc.fwd_by_step[meta.step] = max(acc.fwd_by_step.get(meta.step, 0.0), float(row[5]))
+            self._add_step_row(meta, owner, 0, row)
         elif meta.role == "grad_output" or (meta.role == "grad_input" and meta.owner):
             acc.backward = _merge_rows(acc.backward, row)
             acc.bwd_by_step[meta.step] = max(acc.bwd_by_step.get(meta.step, 0.0), float(row[5]))
+            self._add_step_row(meta, owner, 1, row)
         elif meta.role == "param_grad":
             acc.param_grad = _merge_rows(acc.param_grad, row)
         elif meta.role == "param":
             acc.param_by_step[meta.step] = max(acc.param_by_step.get(meta.step, 0.0),
                                                float(row[5]))
+
+    def _add_step_row(self, meta: _Meta, owner: str, side: int, row: np.ndarray) -> None:
+        step = self.by_step.get(meta.step)
+        if step is None:
+            step = self.by_step[meta.step] = {}
+            for old in [k for k in self.by_step if k <= meta.step - LAYER_STEPS]:
+                del self.by_step[old]
+        entry = step.setdefault(owner, [None, None, set(), set()])
+        entry[side] = _merge_rows(entry[side], row)
+        entry[2 + side].add(meta.dtype)
+
+    def layer_steps(self) -> list[LayerStep]:
+        """Each module's forward and backward statistics per step, the last LAYER_STEPS
+        steps."""
+        def conv(row: np.ndarray | None, dtypes: set[str]) -> TensorStats | None:
+            if row is None:
+                return None
+            dtype = "mixed" if len(dtypes) > 1 else next(iter(dtypes), "float32")
+            return _stats.decode(row, dtype, [], self.format)
+
+        return [LayerStep(module, step, forward=conv(e[0], e[2]), backward=conv(e[1], e[3]))
+                for step, modules in sorted(self.by_step.items())
+                for module, e in modules.items()]
 
     def add_grad_hist(self, dtype: str, row: np.ndarray, scale: float | None) -> None:
         """Add a gradient's exponent histogram, unscaled, to the run's histogram."""

@@ -52,7 +52,7 @@ class Sentinel(Session):
                  stop: bool = False, spike: float = 10.0, report: bool = True,
                  **options: Any) -> None:
         options.pop("stop_on_problem", None)
-        super().__init__(model, optimizer, scaler, target=target or "float16",
+        super().__init__(model, optimizer, scaler, target=target or "auto",
                          stop_on_problem=stop, **options)
         self.out = Path(out) if out is not None else None
         self.stop_run = stop
@@ -113,8 +113,14 @@ class Sentinel(Session):
 
     # -- per step ---------------------------------------------------------------------------
 
-    def _flush(self) -> None:
-        super()._flush()
+    def _flush(self, norm: bool = True) -> None:
+        keep, cur = self.keep, self.cur
+        if keep.closure and not keep.grad_checked and not self._in_closure and norm \
+                and cur.opt_params is not None and not cur.step_scaler and self._active:
+            # an optimizer closure (LBFGS, Lightning) ran the backward: the check goes here,
+            # after its first call, still before the update
+            self.grads.check(cur.opt_params)
+        super()._flush(norm)
         if self._active:
             self._after_flush()
 

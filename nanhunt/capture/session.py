@@ -28,6 +28,7 @@ from torch import nn
 from ..errors import NanhuntError
 from ..formats import NumberFormat, get_format
 from ..trace import Failure, LayerStats, RunInfo, ScalerEvent, StepRecord, TensorRecord, Trace
+from ._util import _autocast_state
 from .autograd import AutogradObserver
 from .judge import Judge
 from .loss import LossObserver
@@ -38,6 +39,8 @@ from .recorder import Recorder
 from .scaler import ScalerObserver
 from .snapshot import Snapshots
 from .state import Snapshot, StepState, _StepData
+
+_LOW = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 _LOCK = threading.Lock()
 _ACTIVE: Any = None  # the one session installed in this process
@@ -61,7 +64,7 @@ class Session:
         optimizer: torch.optim.Optimizer | None = None,
         scaler: Any = None,
         *,
-        target: str = "float16",
+        target: str | None = "auto",
         keep_steps: int = 64,
         allow_inf: Iterable[str] = (),
         sample_every: int = 1,
@@ -70,13 +73,19 @@ class Session:
         max_steps: int | None = None,
         collapse_scale: float = 1.0,
         on_step: Any = None,
+        first_step: int = 0,
     ) -> None:
         if keep_steps < 1:
             raise NanhuntError("keep_steps must be at least 1")
         if sample_every < 1:
             raise NanhuntError("sample_every must be at least 1")
-        self.format: NumberFormat = get_format(target)
+        # "auto": the low-precision format the run turns out to use (autocast's dtype, else
+        # half/bfloat16 parameters), decided at the first module call that shows one
+        self._target_auto = target is None or target == "auto"
+        self.format: NumberFormat = get_format("float16" if self._target_auto else target)
         self.target = self.format.name
+        self.target_source = "default" if self._target_auto else "option"
+        self.first_step = first_step
         self.keep_steps = keep_steps
         self.allow_inf = tuple(allow_inf)
         self.sample_every = sample_every
@@ -110,12 +119,13 @@ class Session:
         self.autocast_seen = False
         self.scaler_seen = False
         self._active = False
-        self._step = 0
+        self._step = self.first_step  # a framework's step count (resumed runs start past 0)
         self._stop_pending = False
         self._saw_optimizer = False
         self._optimizer_ran_step = -1
         self._unscaled_step = -1
         self._closure_step = -1
+        self._in_closure = 0  # depth of optimizer closures running (LBFGS, Lightning)
         self._optimizers_seen: set[int] = set()
         self._optimizer_exists = self._optimizer_ref is not None
         self._begin_step_state()
@@ -282,11 +292,32 @@ class Session:
         """The judge found the first failure: stop at the end of the step, if asked."""
         self._stop_pending = True
 
+    def _resolve_target(self, module: nn.Module) -> None:
+        """Auto target: float16 as soon as autocast or a module's parameters use it (the
+        narrower range wins), bfloat16 likewise; fixed after the first step either way."""
+        p = next(module.parameters(recurse=False), None)
+        device = p.device.type if p is not None else "cpu"
+        found, source = None, ""
+        enabled, dtype = _autocast_state(device)
+        if enabled and dtype in _LOW:
+            found, source = _LOW[dtype], "autocast"
+        for q in module.parameters(recurse=False):
+            if q.dtype in _LOW and (found is None or _LOW[q.dtype] == "float16"):
+                found, source = _LOW[q.dtype], "parameters"
+        if found is None or (found == self.target and self.target_source != "default"):
+            return
+        self.format = self.recorder.format = get_format(found)
+        self.target, self.target_source = self.format.name, source
+        if found == "float16":
+            self._target_auto = False  # nothing narrower to find
+
     # -- step boundaries and the transfer ---------------------------------------------------
 
     def _end_step_if_over(self) -> None:
         """A new forward (or backward) after the optimizer ran starts a new step: several
         optimizers in one iteration stay one step, and a missing scaler.update() still ends it."""
+        if self._in_closure:
+            return  # the optimizer's closure: its forwards are the step in flight
         if self._optimizer_ran_step == self._step:
             self._end_step()
         elif self.cur.did_backward and not self._saw_optimizer and not self.cur.step_scaler \
@@ -296,6 +327,7 @@ class Session:
     def _end_step(self) -> None:
         if not self.cur.transferred:
             self._flush()
+        self._target_auto = False  # one format for the whole run
         self.recorder.step_record(self._step)
         self.cur.clear_handles()
         if self.on_step is not None:
@@ -310,10 +342,11 @@ class Session:
         if self.max_steps is not None and self._step >= self.max_steps:
             raise StopRun(f"nanhunt stopped the script after {self._step} steps (--max-steps)")
 
-    def _flush(self) -> None:
+    def _flush(self, norm: bool = True) -> None:
         """Move every queued row to the host in one transfer and digest it."""
         self.cur.transferred = True
-        self.optimizer_obs.queue_grad_norm()
+        if norm:
+            self.optimizer_obs.queue_grad_norm()
         self.recorder.flush(self._step, {c.id: c.parent for c in self.cur.calls})
 
     # -- derived views -------------------------------------------------------------------------
@@ -322,6 +355,7 @@ class Session:
         """Everything recorded so far as a torch-free :class:`~nanhunt.trace.Trace`."""
         run = run or RunInfo()
         run.target = self.target
+        run.target_source = run.target_source or self.target_source
         run.dtypes = sorted(self.dtypes)
         run.autocast = run.autocast or self.autocast_seen
         run.scaler = run.scaler or self.scaler_seen
@@ -339,6 +373,7 @@ class Session:
             facts=list(self.facts),
             scaler_events=list(self.scaler_events),
             grad_hist=self.grad_histograms(),
+            layer_steps=self.recorder.layer_steps(),
             notes=[f"nanhunt stopped tracing after an internal error: {e}"
                    for e in self.internal_errors],
         )
@@ -407,7 +442,7 @@ def watch(
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     scaler: Any = None,
-    target: str = "float16",
+    target: str | None = "auto",
     **options: Any,
 ) -> Iterator[Hunt]:
     """Watch the training steps run inside the block; see :class:`Hunt`."""

@@ -292,3 +292,33 @@ def test_without_a_model_the_roots_are_learned():
             model(x).pow(2).mean().backward()
             opt.step()
     assert where(sent.first_failure) == (AT, "data", "model", "input[0]")
+
+
+def _closure_run(arch: str, session):
+    torch.manual_seed(0)
+    model = build(arch)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
+    g = torch.Generator().manual_seed(1)
+    with session(model, opt) as s:
+        for i in range(15):
+            x, _y = batch(arch, g)
+
+            def closure(x=x, i=i):
+                opt.zero_grad()
+                out = model(x)
+                if i >= 10:
+                    out = torch.sqrt(out - out.detach())  # a backward-only inf from step 10
+                loss = out.pow(2).mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+    return s
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+def test_optimizer_closure_steps_are_checked_after_the_closure(arch):
+    ref = _closure_run(arch, lambda m, o: nanhunt.Hunt(m, o)).first_failure
+    sent = _closure_run(arch, lambda m, o: nanhunt.sentinel(m, o, out=None))
+    assert ref.step == 10 and where(sent.first_failure) == where(ref)
+    assert "reproduced" in " ".join(sent.notes)

@@ -1,0 +1,275 @@
+"""What both framework callbacks share: one :class:`~nanhunt.capture.Hunt` per training run,
+traced inside the framework's training steps only, and the same reports as ``nanhunt diagnose``.
+
+The framework callbacks only translate their hooks into :meth:`CallbackSession.start`,
+:meth:`step_begin`, :meth:`step_end` and :meth:`finish`; everything else lives here, free of
+any framework import.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime as _dt
+import logging
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import NanhuntError
+
+__all__ = ["CallbackSession"]
+
+_log = logging.getLogger("nanhunt")
+
+#: modes a callback accepts; "sentinel" (always-on cheap checks) is built separately
+MODES = ("full", "sampled")
+
+
+class _Vote:
+    """What RankContext's store vote reads and calls (the CLI passes its Hunt; a callback stops
+    through the framework instead, so it only records that some rank wants to stop)."""
+
+    stop_on_problem = True
+
+    def __init__(self, failure: Any) -> None:
+        self.first_failure = failure
+        self.stop = False
+
+    def request_stop(self) -> None:
+        self.stop = True
+
+
+class CallbackSession:
+    """One traced training run inside a framework.
+
+    Options (the callbacks' keyword arguments):
+
+    ``out``           folder for report.json / report.html / report.txt (default: the run's log
+                      folder + ``/nanhunt-report``)
+    ``target``        format to judge ranges against (default: from the framework's precision
+                      setting, else what autocast or the parameters use)
+    ``keep_going``    let training run on after the first failure
+    ``mode``          ``"full"`` (every step traced) or ``"sampled"`` (every ``sample_every``-th)
+    ``tensorboard``   ``True`` (the run's TensorBoard folder + ``/nanhunt``) or a folder: write
+                      the per-step series there when training ends
+    ``quiet``         no terminal summary (the headline still goes to the ``nanhunt`` logger)
+    """
+
+    def __init__(
+        self,
+        *,
+        out: str | Path | None = None,
+        target: str | None = None,
+        keep_going: bool = False,
+        mode: str = "full",
+        sample_every: int = 16,
+        keep_steps: int = 64,
+        allow_inf: tuple[str, ...] | list[str] = (),
+        tensorboard: bool | str | Path = False,
+        quiet: bool = False,
+        strict: bool = False,
+    ) -> None:
+        if mode not in MODES:
+            raise NanhuntError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if sample_every < 1 or keep_steps < 1:
+            raise NanhuntError("sample_every and keep_steps must be at least 1")
+        if target is not None:
+            from ..formats import get_format
+
+            target = get_format(target).name  # a bad name fails here, not mid-training
+        self.out = None if out is None else Path(out)
+        self.target = target
+        self.keep_going = keep_going
+        self.mode = mode
+        self.sample_every = sample_every if mode == "sampled" else 1
+        self.keep_steps = keep_steps
+        self.allow_inf = tuple(allow_inf)
+        self.tensorboard = tensorboard
+        self.quiet = quiet
+        self.strict = strict
+        self.hunt: Any = None
+        self.trace: Any = None  # the finished run's Trace (on every rank; merged on rank 0)
+        self.out_dir: Path | None = None
+        self.tb_dir: Path | None = None
+        self._ctx: Any = None
+        self._run: Any = None
+        self._paused = False
+        self._framework = ""
+
+    # -- the run ------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self.hunt is not None
+
+    @property
+    def first_failure(self) -> Any:
+        return None if self.hunt is None else self.hunt.first_failure
+
+    def start(self, model: Any, *, optimizer: Any = None, scaler: Any = None,
+              target: str | None = None, target_source: str = "", out_dir: Path,
+              tb_dir: Path | None, rank: int = 0, world_size: int = 1,
+              framework: str = "", first_step: int = 0) -> None:
+        """Start tracing (the framework's train-begin hook). A session left active by a run
+        that raised (a framework without an exception hook) is finished first."""
+        import torch
+
+        from ..capture import Hunt
+        from ..distributed import RankContext
+
+        if self.hunt is not None:
+            self.finish("crashed", error="training ended without its train-end hook")
+        self.out_dir = self.out or out_dir
+        self.tb_dir = None
+        if self.tensorboard:
+            self.tb_dir = Path(self.tensorboard) if not isinstance(self.tensorboard, bool) \
+                else tb_dir
+        self._ctx = RankContext(rank=rank, world_size=world_size)
+        if world_size > 1:
+            self._ctx = RankContext.from_env(self.out_dir)
+            self._ctx.rank, self._ctx.world_size = rank, world_size
+        chosen = self.target or target
+        self._framework = framework
+        self.hunt = Hunt(
+            model, optimizer, scaler,
+            target=chosen or "auto",  # auto: what autocast or the parameters use
+            keep_steps=self.keep_steps,
+            allow_inf=self.allow_inf,
+            sample_every=self.sample_every,
+            stop_on_problem=False,  # the framework stops training, not an exception of ours
+            first_step=first_step,  # steps numbered like the framework's (a resumed run)
+        )
+        self._run = _run_info(torch.__version__, framework)
+        # empty: the session fills in where its automatic choice came from
+        self._run.target_source = "option" if self.target else (target_source if chosen else "")
+        self._run.world_size = world_size
+        self.hunt.start()
+        # a run that raises out of a framework with no exception hook (the HF Trainer) still
+        # gets its report, at exit
+        atexit.register(self._at_exit)
+        self._paused = False
+        self.pause()  # traced inside training steps only (not validation, logging, saving)
+
+    def pause(self) -> None:
+        """Between training steps: evaluation and logging are not training steps."""
+        hunt = self.hunt
+        if hunt is not None and hunt._active:
+            hunt._active = False
+            self._paused = True
+
+    def resume(self) -> None:
+        # a session that stopped itself after an internal error stays stopped
+        if self.hunt is not None and self._paused:
+            self.hunt._active = True
+            self._paused = False
+
+    def step_begin(self) -> None:
+        self.resume()
+
+    def step_end(self, step: int | None = None) -> bool:
+        """End of the framework's training step: True when training should stop now."""
+        hunt = self.hunt
+        if hunt is None:
+            return False
+        failed = hunt.first_failure is not None
+        # keep-going runs never stop early, so their ranks stay in step without a vote
+        if self._ctx is not None and self._ctx.distributed and not self.keep_going:
+            vote = _Vote(hunt.first_failure)
+            self._ctx._vote(step if step is not None else hunt.step, vote)
+            failed = failed or vote.stop
+        self.pause()
+        return failed and not self.keep_going
+
+    def finish(self, status: str = "complete", error: str | None = None) -> Any:
+        """Stop tracing and write the reports (rank 0 writes the merged one)."""
+        hunt = self.hunt
+        if hunt is None:
+            return self.trace
+        atexit.unregister(self._at_exit)
+        self.hunt = None
+        self.resume()
+        hunt.stop()
+        if status == "complete" and hunt.first_failure is not None and not self.keep_going:
+            status = "stopped"
+        run = self._run
+        run.status = status
+        run.error = error
+        run.finished = _now()
+        from ..pipeline import analyse_and_report
+
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            _log.error("nanhunt: cannot create report folder %s: %s", self.out_dir, exc)
+            return None
+        trace = analyse_and_report(hunt, run, self.out_dir, strict=self.strict,
+                                   ctx=self._ctx, quiet=True)
+        self.trace = trace
+        if self._ctx.rank != 0:
+            return trace
+        self._summarise(trace)
+        if self.tb_dir is not None:
+            from ..report.tensorboard import export_tensorboard
+
+            try:
+                n = export_tensorboard(trace, self.tb_dir)
+                _log.info("nanhunt: wrote %d TensorBoard points to %s", n, self.tb_dir)
+            except NanhuntError as exc:
+                _log.error("nanhunt: %s", exc)
+        return trace
+
+    def _at_exit(self) -> None:
+        if self.hunt is not None:
+            self.finish("crashed", error="the process ended during training")
+
+    def _summarise(self, trace: Any) -> None:
+        from ..report import render_terminal
+        from ..report.files import REPORT_FORMATS
+
+        if not self.quiet:
+            from rich.console import Console
+
+            console = Console(file=sys.stdout, highlight=False)
+            render_terminal(trace, console)
+        paths = ", ".join(str(self.out_dir / name) for name in REPORT_FORMATS.values())
+        if trace.problem and trace.first_failure is not None:
+            headline = f"nanhunt: problem at {trace.first_failure.where()}"
+        elif trace.problem:
+            headline = "nanhunt: a problem was found"
+        else:
+            headline = "nanhunt: no non-finite value or range problem found"
+        (_log.warning if trace.problem else _log.info)("%s; reports: %s", headline, paths)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _run_info(torch_version: str, framework: str) -> Any:
+    from .._version import __version__
+    from ..trace import RunInfo
+
+    return RunInfo(
+        command=list(sys.argv),
+        script=sys.argv[0] if sys.argv else "",
+        python=platform.python_version(),
+        torch=torch_version,
+        nanhunt=__version__,
+        platform=platform.platform(),
+        started=_now(),
+        status="running",
+        framework=framework,
+    )
+
+
+def precision_target(precision: str | None) -> str | None:
+    """The format a framework precision setting trains in ("bf16-mixed" -> bfloat16)."""
+    p = str(precision or "").lower()
+    if "bf16" in p or "bfloat16" in p:
+        return "bfloat16"
+    if p.startswith("16") or "fp16" in p or "float16" in p or p == "half":
+        return "float16"
+    if "fp8" in p or "transformer-engine" in p:
+        return "float8_e4m3fn"
+    return None

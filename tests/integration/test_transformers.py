@@ -1,0 +1,161 @@
+"""The Hugging Face Trainer (the real package, with accelerate) with nanhunt: the callback in
+the run and `nanhunt diagnose` on the same script. The Trainer shuffles, so the reference step
+comes from the script's own record of the order in which the Trainer fetched samples."""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "frameworks" / \
+    "hf_trainer_nan_batch.py"
+BAD_SAMPLE, BATCH = 21, 4
+
+
+class Run:
+    def __init__(self, out: Path, stdout: str, stderr: str) -> None:
+        self.out, self.stdout = out, stdout
+        self.report = json.loads((out / "report.json").read_text())
+        self.fetched = [int(i) for i in re.findall(r"^fetch (\d+)$", stderr, flags=re.M)]
+        done = re.search(r"done global_step (\d+)", stdout)
+        self.final_global_step = int(done.group(1)) if done else None
+        # the Trainer's own log lines (logging_steps=1): one per optimizer step
+        self.logged = re.findall(r"^\{'loss': '([^']*)', 'grad_norm': '([^']*)'", stdout,
+                                 flags=re.M)
+
+    def bad_step(self, accumulate: int = 1) -> int:
+        return self.fetched.index(BAD_SAMPLE) // (BATCH * accumulate)
+
+    @property
+    def failure(self) -> tuple:
+        f = self.report["first_failure"]
+        return f["step"], f["phase"], f["module"], f["tensor"]
+
+
+@pytest.fixture
+def run_callback(tmp_path, capsys):
+    def run(*args: str) -> Run:
+        out = tmp_path / "report"
+        saved = sys.argv[:]
+        sys.argv = [str(SCRIPT), *args, "--callback", str(out),
+                    "--output-dir", str(tmp_path / "hf")]
+        try:
+            runpy.run_path(str(SCRIPT), run_name="__main__")
+        finally:
+            sys.argv = saved
+        captured = capsys.readouterr()
+        return Run(out, captured.out, captured.err)
+
+    return run
+
+
+@pytest.mark.parametrize("model", ["mlp", "bert"])
+def test_nan_sample_found_and_training_stopped(run_callback, model):
+    run = run_callback("--model", model)
+    step = run.bad_step()
+    assert run.failure[:2] == (step, "data")
+    rep = run.report
+    assert rep["run"]["target"] == "bfloat16"
+    assert rep["run"]["target_source"] == "precision (bf16=True)"
+    assert [s["index"] for s in rep["steps"]] == list(range(step + 1))
+    # control.should_training_stop ended train() right after that step
+    assert run.final_global_step == step + 1
+    assert rep["run"]["status"] == "stopped"
+    # what the Trainer's log showed for that step: logging_nan_inf_filter's substitute, finite
+    loss_logged, grad_norm_logged = run.logged[step]
+    assert loss_logged != "nan" and float(loss_logged) == float(loss_logged)
+    assert grad_norm_logged == "nan"
+    assert rep["steps"][step]["loss"] == "nan"
+
+
+def test_bert_names_the_embedding_input(run_callback):
+    run = run_callback("--model", "bert")
+    f = run.report["first_failure"]
+    assert "inputs_embeds" in f["tensor"]
+    assert next(iter(f["bad_samples"].values())) == [run.fetched.index(BAD_SAMPLE) % BATCH]
+
+
+def test_gradient_accumulation_steps_match_global_step(run_callback):
+    run = run_callback("--accumulate", "2")
+    step = run.bad_step(accumulate=2)
+    assert run.failure[:2] == (step, "data")
+    assert len(run.report["steps"]) == run.final_global_step == step + 1
+    assert len(run.logged) == run.final_global_step  # one Trainer log line per step
+
+
+def test_overflow_in_a_half_submodule(run_callback):
+    run = run_callback("--fp16-head")
+    rep = run.report
+    assert run.failure[:3] == (0, "forward", "head")
+    # no autocast and no fp16=True: the target comes from the head's float16 parameters
+    assert rep["run"]["target"] == "float16"
+    assert rep["run"]["target_source"] == "parameters"
+    assert rep["diagnosis"]["kind"] == "overflow"
+    assert rep["first_failure"]["stats"]["posinf"] + rep["first_failure"]["stats"]["neginf"] > 0
+
+
+def test_cli_diagnose_hf_script(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet",
+                           "--out", str(tmp_path / "report"), str(SCRIPT),
+                           "--output-dir", str(tmp_path / "hf")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    run = Run(tmp_path / "report", proc.stdout, proc.stderr)
+    step = run.bad_step()
+    assert run.failure[:2] == (step, "data")
+    assert run.report["run"]["target"] == "bfloat16"
+    assert [s["index"] for s in run.report["steps"]] == list(range(step + 1))
+
+
+CRASH = """
+import sys
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainingArguments
+from nanhunt.integrations.transformers import NanhuntCallback
+
+class Samples(Dataset):
+    def __len__(self):
+        return 16
+    def __getitem__(self, i):
+        return {"x": torch.ones(4) * i, "labels": torch.zeros(1)}
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = nn.Linear(4, 1), 0
+    def forward(self, x, labels=None):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("data loader broke")
+        out = self.fc(x)
+        return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+args = TrainingArguments(output_dir=sys.argv[1] + "/hf", per_device_train_batch_size=4,
+                         use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+Trainer(model=Net(), args=args, train_dataset=Samples(),
+        callbacks=[NanhuntCallback(out=sys.argv[1] + "/report", quiet=True)]).train()
+"""
+
+
+def test_a_crash_inside_train_still_writes_the_report(tmp_path):
+    """The Trainer has no exception hook: the report is written when the process exits."""
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "RuntimeError: data loader broke" in proc.stderr  # the user's traceback, as ever
+    rep = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert rep["run"]["status"] == "crashed"
+    assert [s["index"] for s in rep["steps"]][:2] == [0, 1]
