@@ -36,7 +36,7 @@ from .diagnose import (
     module_pattern,
     scale_fractions,
 )
-from .formats import NumberFormat
+from .formats import NumberFormat, get_format
 from .trace import Finding, LayerStats, Recommendation, Trace
 
 __all__ = [
@@ -713,8 +713,14 @@ def _eps(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
         return f"{label} {eps:g} is {eps_in_format(eps, fmt)} in {fmt.name}"
 
     tail = f"{value:g} is the smallest power of ten that is a normal {fmt.name} number"
+    user_eps = finding.data.get("eps")
+    theirs = []
+    if isinstance(user_eps, (int, float)) and user_eps > 0:
+        fmt_of = get_format(finding.data.get("dtype") or fmt.name) if finding.rule == \
+            "norm-eps" else fmt
+        theirs = [f"your eps {user_eps:g} is {eps_in_format(user_eps, fmt_of)} in {fmt_of.name}"]
     if finding.rule == "optimizer-eps":
-        if eps_in_format(_EPS_DEFAULTS[_ADAM], fmt) == "normal":
+        if not theirs and eps_in_format(_EPS_DEFAULTS[_ADAM], fmt) == "normal":
             return None
         return Recommendation(
             type="eps",
@@ -727,7 +733,7 @@ def _eps(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
                 ]
             ),
             evidence=[
-                becomes(_ADAM),
+                *(theirs or [becomes(_ADAM)]),
                 tail,
                 "better still: keep float32 weights (autocast + "
                 "GradScaler), where the optimizer runs in float32",
@@ -754,6 +760,7 @@ def _eps(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
         snippet=snippet,
         evidence=[
             f"{name} ({layer.type}) ran in {fmt.name}",
+            *theirs,
             *(becomes(label) for label in _EPS_DEFAULTS if label != _ADAM),
             tail,
         ],
@@ -855,6 +862,8 @@ def _normalize_input(trace: Trace, ctx: Context, finding: Finding) -> Recommenda
     )
     evidence = []
     value: dict[str, object]
+    if finding.rule == "input-range":
+        return _normalize_raw_input(finding)
     if finding.rule == "bad-input":
         amax = float(finding.data.get("amax", 0.0))
         if not (amax > 0 and ctx.fmt.headroom_binades(amax) < ctx.th.large) or is_sentinel(amax):
@@ -893,6 +902,115 @@ def _normalize_input(trace: Trace, ctx: Context, finding: Finding) -> Recommenda
         module=str(value["module"]),
         snippet=snippet,
         evidence=evidence,
+    )
+
+
+#: full-scale values of integer pixel formats (8, 10, 12, 14 and 16 bits)
+_PIXEL_FULL_SCALE = (255.0, 1023.0, 4095.0, 16383.0, 65535.0)
+
+
+def _normalize_raw_input(finding: Finding) -> Recommendation:
+    """Raw counts or unscaled features: divide by the full scale or standardise, before the
+    model; the mean and std measured on the failing batch are the starting point."""
+    d = finding.data
+    lo, hi, mean, std = (float(d[k]) for k in ("min", "max", "mean", "std"))
+    full = next((f for f in _PIXEL_FULL_SCALE if lo >= 0 and hi <= f and hi > f / 2), None)
+    evidence = [
+        f"{finding.module}'s {d.get('path', 'input')} ranged from {lo:.4g} to {hi:.4g} "
+        f"(mean {mean:.4g}, std {std:.4g}) in the failing batch",
+        "normalise first: a float32 region or a clamp only hides an input on the wrong scale",
+    ]
+    if full is not None:
+        evidence.append(f"non-negative values up to {hi:.4g}: {int(full).bit_length()}-bit counts "
+                        f"whose full scale is {full:g}")
+        lines = [
+            f"x = x.float() / {full!r}  # {int(full).bit_length()}-bit counts to [0, 1]",
+            "# better: standardise with the training set's statistics, measured once:",
+            "# mean, std = train_x.float().div(" + repr(full) + ").mean(), "
+            "train_x.float().div(" + repr(full) + ").std()",
+            "# x = (x - mean) / std",
+        ]
+    else:
+        lines = [
+            "# once, from the training data (per feature):",
+            "mean, std = train_x.mean(dim=0), train_x.std(dim=0).clamp_min(1e-6)",
+            "# per batch, before the model:",
+            "x = (x - mean) / std",
+        ]
+    return Recommendation(
+        type="normalize_input",
+        value={"module": finding.module, "min": lo, "max": hi, "scale": full},
+        module=finding.module,
+        snippet="\n".join(lines),
+        evidence=evidence,
+        data={"mean": mean, "std": std, "scale": full},
+    )
+
+
+def _fp32_master_weights(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    """Optimizer arithmetic in float16 (a .half() model): keep float32 weights and let autocast
+    run the forward in float16; the optimizer's eps and small updates then exist."""
+    if finding.data.get("dtype") not in ("float16", "float8_e4m3fn", "float8_e5m2"):
+        return None
+    device = _device_type(trace)
+    snippet = "\n".join([
+        "import torch",
+        "",
+        "model = model.float()  # master weights in float32: drop model.half()",
+        f'scaler = torch.amp.GradScaler("{device}")',
+        "# in the training loop:",
+        f'with torch.autocast("{device}", dtype=torch.float16):',
+        "    loss = loss_fn(model(inputs), targets)",
+        "optimizer.zero_grad()",
+        "scaler.scale(loss).backward()",
+        "scaler.step(optimizer)",
+        "scaler.update()",
+    ])
+    return Recommendation(
+        type="fp32_master_weights",
+        value=finding.data.get("optimizer"),
+        module=finding.module,
+        snippet=snippet,
+        evidence=[
+            f"the parameters the optimizer steps are {finding.data.get('dtype')}: its state "
+            "(m, v) and its eps live in that format too",
+            "with float32 weights the optimizer computes in float32, and autocast still runs "
+            "matmuls and convolutions in float16",
+        ],
+    )
+
+
+def _finfo_constant(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    from .causes import RangeConstant, dtype_expr, find_constants, finfo_fix
+
+    d = finding.data
+    line, value, text = d.get("source_line"), d.get("constant"), d.get("text")
+    fmt = get_format(d.get("dtype") or ctx.fmt.name)
+    bound = "min" if isinstance(value, (int, float)) and value < 0 else "max"
+    where = f"# {d.get('source')}: {line.strip()}\n" if line else ""
+    literal = bool(line and text) and any(c.text == text for c in find_constants(line, fmt))
+    if literal:
+        fixed = finfo_fix(line, RangeConstant(value, text), fmt)
+    elif line and text and isinstance(value, (int, float)):  # a variable holds it
+        dtype = dtype_expr(line.strip(), RangeConstant(value, text)) or f"torch.{fmt.name}"
+        fixed = f"{text} = torch.finfo({dtype}).{bound}  # where {text} is set"
+    else:
+        fixed = f"fill = torch.finfo(tensor.dtype).{bound}  # the tensor the constant goes into"
+    others = "negative" if bound == "min" else "positive"
+    return Recommendation(
+        type="finfo_constant",
+        value=value,
+        module=finding.module,
+        snippet=f"import torch\n\n{where}{fixed}",
+        evidence=[
+            f"torch.finfo(torch.{fmt.name}).{bound} = {-fmt.max if bound == 'min' else fmt.max:g}"
+            f", the most {others} {fmt.name} number; torch.finfo(tensor.dtype) fits whatever "
+            "the tensor's format is (float32 in a float32 run, float16 under autocast or "
+            ".half())",
+            *(["a softmax still gives a masked position weight 0 with finfo.min, and no NaN "
+               "when a whole row is masked, as -inf would"] if bound == "min" else []),
+        ],
+        data={"bound": bound, "dtype": fmt.name},
     )
 
 
@@ -960,7 +1078,11 @@ def _scaler_usage(trace: Trace, ctx: Context, finding: Finding) -> Recommendatio
 
 
 ADVICE: dict[str, tuple[Builder, ...]] = {
+    "scaler-crash": (_scaler_usage,),
+    "range-constant": (_finfo_constant,),
     "scaler-misuse": (_scaler_usage,),
+    "input-range": (_normalize_input, _fp32_module, _clamp),
+    "norm-eps": (_eps, _fp32_module),
     "bad-input": (_fix_data, _normalize_input),
     "forward-overflow": (_fp32_module, _normalize_input, _clamp),
     "backward-overflow": (_fp32_module, _init_scale, _clip_grad_norm),
@@ -969,7 +1091,7 @@ ADVICE: dict[str, tuple[Builder, ...]] = {
     "norm-underflow": (_eps, _fp32_module),
     "backward-nan-op": (_clamp, _eps, _fp32_module),
     "optimizer-update": (_lower_lr, _clip_grad_norm),
-    "optimizer-eps": (_eps,),
+    "optimizer-eps": (_eps, _fp32_master_weights),
     "scale-collapse": (_fp32_module, _clamp, _eps, _clip_grad_norm),
     "weight-growth": (_lower_lr, _clip_grad_norm),
     "exploding-gradient": (_clip_grad_norm, _lower_lr),
@@ -984,6 +1106,8 @@ ADVICE: dict[str, tuple[Builder, ...]] = {
 
 
 _WHOLE_RUN_CAUSES = ("lr_too_high", "exploding_gradient", "bad_input")
+#: rules whose diagnosis is a bug in the loop's code: the symptoms it causes get no advice
+_LOOP_BUGS = ("scaler-misuse", "scaler-crash", "range-constant")
 
 
 def advise(trace: Trace) -> None:
@@ -996,7 +1120,8 @@ def advise(trace: Trace) -> None:
         diagnose(trace)
     ctx = Context(trace)
     findings = [trace.diagnosis] if trace.diagnosis is not None else []
-    if trace.diagnosis is None or trace.diagnosis.kind not in _WHOLE_RUN_CAUSES:
+    if trace.diagnosis is None or (trace.diagnosis.kind not in _WHOLE_RUN_CAUSES
+                                   and trace.diagnosis.rule not in _LOOP_BUGS):
         # with a cause that acts on the whole run (a learning rate, the data, the scaler),
         # the ranges it pushed to the limit are symptoms: no advice for them
         findings += [w for w in trace.warnings if w.severity == "warning"]

@@ -61,23 +61,36 @@ KINDS = (
 #: upstream of an overflow (weights or gradients growing step over step) outrank the overflow
 #: they lead to; an invalid op (log(0)) is not explained by growth, so nan_op rules come first.
 PRECEDENCE = (
+    "scaler-crash",
+    "range-constant",
     "scaler-misuse",
     "bad-input",
-    "optimizer-update",
     "optimizer-eps",
+    "optimizer-update",
     "scale-collapse",
+    "norm-eps",
     "loss-nan-op",
     "forward-nan-op",
     "backward-nan-op",
     "norm-underflow",
     "weight-growth",
     "exploding-gradient",
+    "input-range",
     "forward-overflow",
     "backward-overflow",
 )
 
 #: Rules whose errors are the diagnosis even when no value went non-finite.
-ALWAYS_PRIMARY = ("scaler-misuse",)
+ALWAYS_PRIMARY = ("scaler-crash", "range-constant", "scaler-misuse")
+
+#: Errors a primary diagnosis explains: they are its consequences, not warnings of their own
+#: (a misused GradScaler makes updates that look like a learning rate too high).
+SUPERSEDES: dict[str, tuple[str, ...]] = {
+    "scaler-misuse": ("optimizer-update", "optimizer-eps", "weight-growth", "backward-overflow"),
+    "optimizer-eps": ("optimizer-update",),
+    "input-range": ("forward-overflow",),
+    "norm-eps": ("forward-nan-op", "backward-nan-op", "norm-underflow"),
+}
 
 #: Score of the primary diagnosis; errors that lose to it are kept as warnings with this score.
 ERROR_SCORE = 10.0
@@ -287,6 +300,7 @@ class Thresholds:
     flushed: float = 0.1  # fraction of gradient values flushed to zero
     backoffs: int = 3  # GradScaler backoffs after warm-up not explained by a growth attempt
     input_jump: float = 4.0  # first module's output amax jump (vs its median) with steady weights
+    raw_input: float = 64.0  # |input| above this is not normalised (z-scores stay within ~10)
     max_warnings: int = 8
 
 
@@ -788,6 +802,9 @@ def _optimizer_class(ctx: Context) -> _Class:
 
 
 def _classify_optimizer(ctx: Context) -> _Class:
+    """lr (weights or updates grew over steps, or one update beyond the format's max) or eps
+    (an optimizer eps that is 0 in the parameters' format, or a replayed step that divides by
+    a denominator holding zeros)."""
     f = ctx.failure
     assert f is not None
     th = ctx.th
@@ -811,30 +828,77 @@ def _classify_optimizer(ctx: Context) -> _Class:
                 f"{f.module}'s largest |weight| by step ({_span(points[-th.window :])}): "
                 f"{_series(points)}; about {g.per_step:.3g}x a step"
             )
+        elif points:
+            evidence.append(
+                f"{f.module}'s largest |weight| before the step: {_n(points[-1][1])} (no growth "
+                "recorded: the weights were small and steady)"
+            )
     norms = ctx.grad_norms()
     if norms:
         evidence.append(f"gradient norm by step ({_span(norms[-6:])}): {_series(norms)}")
     has_inf = bool(s.posinf or s.neginf)
     pg = layer.param_grad if layer is not None else None
     tiny = pg is not None and pg.underflow_fraction >= th.underflow
-    if grew:
+    opt = _optimizer_of(ctx, s.dtype)
+    eps_zero = opt is not None and opt.eps is not None and opt.eps > 0 and \
+        eps_in_format(opt.eps, fmt) == "zero"
+    op = next((o for o in ctx.trace.ops if o.phase == "optimizer" and o.first_nonfinite), None)
+    op_name = _op_base(op.op) if op is not None else None
+    divides = op_name in ("div", "addcdiv", "reciprocal", "rsqrt", "sqrt")
+    big_update = False
+    if opt is not None and opt.lr and pg is not None and _finite_pos(pg.amax):
+        big_update = opt.lr * pg.amax > fmt.max
+    if opt is not None:
+        data.update(optimizer=opt.type, lr=opt.lr)
+        if opt.eps is not None:
+            data["eps"] = opt.eps
+    if op is not None:
+        data["op"] = op_name
+        where = f" at {op.source}" if op.source else ""
+        evidence.append(f"replaying optimizer.step() on copies names aten.{op_name}{where} as "
+                        "the first op that made a non-finite value")
+    if grew or big_update:
         name = "lr"
-    elif _narrow(fmt) and (not has_inf or tiny):
+        if big_update and opt is not None and pg is not None:
+            evidence.append(f"lr {opt.lr:g} x largest gradient {_n(pg.amax)} is beyond "
+                            f"{fmt.name}'s max: one update that large cannot be stored")
+    elif eps_zero or (divides and _narrow(fmt)) or (
+            opt is None and _narrow(fmt) and (not has_inf or tiny)):
         name = "eps"
+        eps = opt.eps if opt is not None and opt.eps is not None else _ADAM_EPS
+        who = f"{opt.type}'s eps={eps:g}" if opt is not None and opt.eps is not None else \
+            f"an optimizer eps such as Adam's default eps={eps:g}"
         evidence.append(
-            f"{f.tensor} is {fmt.name} and its weights did not grow: an update that is "
-            "NaN from finite weights and gradients points at a zero denominator, such as "
-            f"Adam's sqrt(v) + eps with eps={_ADAM_EPS:g} ({eps_in_format(_ADAM_EPS, fmt)} in "
-            f"{fmt.name})"
+            f"{who} is {eps_in_format(eps, fmt)} in {fmt.name}, the parameters' format "
+            f"(smallest subnormal {fmt.smallest_subnormal:.3g}; torch.tensor({eps:g}, "
+            f"dtype=torch.{fmt.name}) == 0): where v, the running mean of grad**2, underflows "
+            "to 0, m / (sqrt(v) + eps) divides by zero"
         )
         if pg is not None and pg.finite_nonzero:
             evidence.append(
                 f"{_pct(pg.underflow_fraction)} of {f.module}'s parameter gradients were below "
                 f"{fmt.name}'s smallest normal ({fmt.smallest_normal:.3g})"
             )
+        v = _causes.vanished_eps(ctx.trace.ops, "optimizer")
+        if v is not None and v.add.zeros:
+            evidence.append(
+                f"in the replay, adding eps={v.eps:g} ({v.add.source or 'the optimizer'}) left "
+                f"{v.add.zeros} of {v.add.numel} denominator values exactly 0")
     else:
         name = "lr"
     return _Class(name, fmt, evidence, data)
+
+
+def _op_base(op: str) -> str:
+    """``aten.addcdiv_.default`` -> ``addcdiv`` (in-place or not, the same arithmetic)."""
+    parts = [p for p in op.replace("::", ".").split(".") if p not in _OP_NOISE]
+    return parts[0].rstrip("_") if parts else op
+
+
+def _optimizer_of(ctx: Context, dtype: str) -> Any:
+    """The optimizer that steps parameters of ``dtype`` (the first one when several do)."""
+    opts = ctx.trace.optimizers
+    return next((o for o in opts if dtype in o.param_dtypes), opts[0] if opts else None)
 
 
 #: torch.optim.Adam's default eps.
@@ -1025,10 +1089,14 @@ def optimizer_eps(trace: Trace, ctx: Context) -> Iterator[Finding]:
     if f is None or f.phase != "optimizer" or _optimizer_class(ctx).name != "eps":
         return
     c = _optimizer_class(ctx)
+    eps = c.data.get("eps", _ADAM_EPS)
+    who = c.data.get("optimizer") or "the optimizer"
     yield _finding(
         "error",
-        f"the optimizer step at step {f.step} made {f.tensor} NaN without its weights growing: "
-        f"a denominator underflowed to 0 in {c.fmt.name} (an optimizer eps that is 0 there)",
+        f"the optimizer step at step {f.step} made {f.tensor} non-finite without its weights "
+        f"growing: {who}'s eps={eps:g} is {eps_in_format(eps, c.fmt)} in {c.fmt.name}, the "
+        "parameters' format, so its update divides by zero; use eps=1e-4 or keep float32 "
+        "master weights (autocast)",
         list(c.evidence),
         phase="optimizer",
         step=f.step,
@@ -1039,6 +1107,11 @@ def optimizer_eps(trace: Trace, ctx: Context) -> Iterator[Finding]:
 
 
 _MISUSE = {
+    "optimizer_outside_scaler_step": (
+        "optimizer.step() runs outside scaler.step(optimizer), so the steps GradScaler skips "
+        "(inf/NaN gradients) are applied anyway",
+        "call scaler.step(optimizer) instead of optimizer.step(): it skips those steps",
+    ),
     "optimizer_on_scaled_grads": (
         "optimizer.step() ran on gradients still multiplied by the loss scale, so every "
         "update was that many times too large",
@@ -1061,7 +1134,8 @@ _MISUSE = {
 @rule(id="scaler-misuse", kind="loss_scale", needs=("steps",))
 def scaler_misuse(trace: Trace, ctx: Context) -> Iterator[Finding]:
     """GradScaler used the wrong way round: its effect on every update is a factor of the
-    scale, which explains whatever failure follows."""
+    scale, or the updates it refuses are applied, which explains whatever failure follows."""
+    calls = {c.code: c for c in trace.loop_calls}
     for code, (what, fix) in _MISUSE.items():
         steps = [s for s in trace.steps if code in s.misuse]
         if not steps:
@@ -1069,18 +1143,41 @@ def scaler_misuse(trace: Trace, ctx: Context) -> Iterator[Finding]:
         scales = sorted({s.scale for s in steps if s.scale})
         if len(scales) == 1:
             what = what.replace("the loss scale", f"the loss scale ({scales[0]:g})", 1)
+        call = calls.get(code)
+        at = ""
+        evidence = [f"seen at {len(steps)} step(s): {_span([(s.index, 0.0) for s in steps])}"]
+        if call is not None and call.source:
+            at = f" ({call.source_line or 'the call'} at {_short_source(call.source)})"
+            evidence.insert(0, f"the call: {call.source}: {call.source_line or ''}".rstrip(": "))
+        if scales:
+            evidence.append(f"loss scale in effect: {', '.join(f'{x:g}' for x in scales[:4])}")
+        f = ctx.failure
+        if code == "optimizer_outside_scaler_step" and call is not None and call.found_inf:
+            evidence.append(
+                f"step {call.step}: GradScaler found inf/NaN in the gradients (it would have "
+                "skipped this step) and optimizer.step() applied them")
+            if f is not None and f.phase == "optimizer":
+                evidence.append(
+                    f"{f.tensor} was non-finite right after that update, while the weights had "
+                    "not grown before: not a learning rate problem")
+        elif f is not None:
+            evidence.append(f"the first non-finite value followed at {f.where()}")
         yield _finding(
             "error",
-            f"{what}: {fix}",
-            [
-                f"seen at {len(steps)} step(s): {_span([(s.index, 0.0) for s in steps])}",
-                *([f"loss scale in effect: {', '.join(f'{x:g}' for x in scales[:4])}"]
-                  if scales else []),
-            ],
+            f"{what}{at}: {fix}",
+            evidence,
             phase="loss_scaling",
             step=steps[0].index,
-            data={"misuse": code, "steps": [s.index for s in steps[:50]]},
+            data={"misuse": code, "steps": [s.index for s in steps[:50]],
+                  "source": call.source if call is not None else None,
+                  "source_line": call.source_line if call is not None else None},
         )
+
+
+def _short_source(source: str) -> str:
+    path, _, line = source.rpartition(":")
+    name = path.replace("\\", "/").rsplit("/", 1)[-1]
+    return f"{name}:{line}" if path else source
 
 
 @rule(id="scale-collapse", kind="loss_scale", needs=("first_failure", "steps"))
@@ -1688,6 +1785,8 @@ def diagnose(trace: Trace, *, strict: bool = False, thresholds: Thresholds | Non
         errors.sort(key=lambda e: rank.get(e.rule, len(rank)))
         primary = errors.pop(0)
         primary.score = ERROR_SCORE
+        explained = SUPERSEDES.get(primary.rule, ())
+        errors = [e for e in errors if e.rule not in explained]
     for e in errors:
         e.severity = "warning"
         e.score = max(e.score, DEMOTED_SCORE) if primary is None else DEMOTED_SCORE
@@ -1695,3 +1794,8 @@ def diagnose(trace: Trace, *, strict: bool = False, thresholds: Thresholds | Non
     warnings.sort(key=lambda w: -w.score)
     trace.diagnosis = primary
     trace.warnings = warnings[: ctx.th.max_warnings]
+
+
+# rules for the training loop, crashes, vanished eps and unnormalised input live beside this
+# module; importing it registers them (at the end: it imports the helpers above)
+from . import causes as _causes  # noqa: E402

@@ -26,10 +26,12 @@ def _guard(trace: Trace, stage: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
-            out_dir: Path | None = None) -> Trace:
+            out_dir: Path | None = None, optimizer_snapshot: Any = None) -> Trace:
     """Fill the op-level zoom, diagnosis, recommendations and their verification."""
     from . import zoom
 
+    if optimizer_snapshot is not None:
+        _guard(trace, "optimizer replay", zoom.zoom_optimizer, trace, optimizer_snapshot)
     if snapshot is not None:
         _guard(trace, "op-level replay", zoom.zoom_into, trace, snapshot)
         if out_dir is not None:
@@ -92,6 +94,7 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
         hunt.snapshot,
         strict=strict,
         out_dir=ctx.rank_dir(out_dir) if distributed else out_dir,
+        optimizer_snapshot=getattr(hunt, "optimizer_snapshot", None),
     )
     if distributed:
         trace = _guard(trace, "merging ranks", ctx.merge, trace, out_dir) or trace

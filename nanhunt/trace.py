@@ -20,11 +20,15 @@ from .errors import NanhuntError
 __all__ = [
     "PHASES",
     "SCHEMA_VERSION",
+    "Crash",
     "Failure",
     "Finding",
+    "InputRange",
     "LayerStats",
     "LayerStep",
+    "LoopCall",
     "OpRecord",
+    "OptimizerInfo",
     "RankSummary",
     "Recommendation",
     "RunInfo",
@@ -164,6 +168,7 @@ class LayerStats:
     forward_amax_by_step: dict[int, float] = field(default_factory=dict)
     backward_amax_by_step: dict[int, float] = field(default_factory=dict)
     param_amax_by_step: dict[int, float] = field(default_factory=dict)  # after each update
+    params: int = 0  # elements of its own parameters (not its children's)
 
 
 @dataclass
@@ -183,13 +188,31 @@ class OpRecord:
 
     index: int
     op: str
-    phase: str  # forward | backward
+    phase: str  # forward | backward | optimizer
     dtype: str
     amax: float
     nonfinite: int
     numel: int
     source: str | None = None
     first_nonfinite: bool = False
+    # Python numbers the op was called with (``x + 1e-12`` -> [1e-12]): an eps, a fill value
+    scalars: list[float] = field(default_factory=list)
+    zeros: int = 0  # exact zeros in its floating outputs (a denominator that became 0)
+
+
+@dataclass
+class InputRange:
+    """One floating input of the culprit's failing call, measured exactly on the replay copy."""
+
+    path: str  # "input[0]", "kwargs['mask']"
+    dtype: str
+    shape: list[int]
+    min: float  # finite values only; 0.0 when there are none
+    max: float
+    amax: float  # largest finite |x|
+    mean: float
+    std: float
+    nonfinite: int = 0
 
 
 @dataclass
@@ -207,6 +230,7 @@ class Failure:
     rank: int | None = None
     detail: str = ""
     bad_samples: dict[str, list[int]] = field(default_factory=dict)  # input -> sample indices
+    inputs: list[InputRange] = field(default_factory=list)  # the failing call's inputs (replay)
 
     def where(self) -> str:
         parts = [f"step {self.step}", self.phase]
@@ -250,6 +274,45 @@ class Recommendation:
     # how to apply it, for the replay: clamp {"where": "output", "bound"} or {"where": "input",
     # "min"}; fp32_module {"modules", "region", "cast_to"}; see docs/rules.md
     data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimizerInfo:
+    """An optimizer the run stepped, as its first param group stood at its first step."""
+
+    type: str  # class name: "Adam"
+    lr: float | None = None
+    eps: float | None = None  # None when the optimizer has no eps (SGD)
+    param_dtypes: list[str] = field(default_factory=list)
+    params: int = 0  # parameter tensors it steps
+    source: str | None = None  # "train.py:57": where the script calls its step()
+    source_line: str | None = None
+
+
+@dataclass
+class LoopCall:
+    """A training-loop call nanhunt flagged (GradScaler misuse), at the user's line."""
+
+    code: str  # a StepRecord.misuse code
+    step: int  # the first step it was seen at
+    source: str | None = None  # "train.py:57"
+    source_line: str | None = None
+    steps: int = 1  # how many steps it was seen at
+    found_inf: bool = False  # GradScaler had found inf/NaN in the gradients of that step
+
+
+@dataclass
+class Crash:
+    """The exception the script crashed with, located in the user's code."""
+
+    type: str  # "RuntimeError"
+    message: str
+    source: str | None = None  # the innermost frame of the user's code: "train.py:57"
+    source_line: str | None = None
+    module: str | None = None  # the module whose forward was running, by qualified name
+    step: int | None = None
+    # numbers the raising line names through variables (``fill = 1e5; torch.full(s, fill)``)
+    values: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -314,6 +377,9 @@ class Trace:
     # per-module, per-step ranges of the last keep_steps steps (for nanhunt report --tensorboard)
     layer_steps: list[LayerStep] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # limits of this report (e.g. a stage failed)
+    optimizers: list[OptimizerInfo] = field(default_factory=list)
+    loop_calls: list[LoopCall] = field(default_factory=list)  # misused GradScaler calls
+    crash: Crash | None = None  # the script's exception, when it crashed
     schema_version: int = SCHEMA_VERSION
 
     @property

@@ -24,19 +24,22 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .capture import Snapshot, map_tensors, tensor_leaves
+from .capture.state import OptimizerSnapshot
 from .errors import NanhuntError
 from .formats import get_format
-from .trace import OpRecord, Trace
+from .trace import InputRange, OpRecord, Trace
 
 __all__ = [
     "ReplayResult",
     "load_snapshot",
     "print_replay",
     "replay",
+    "replay_optimizer",
     "save_snapshot",
     "verify",
     "why_not_verified",
     "zoom_into",
+    "zoom_optimizer",
 ]
 
 _SNAPSHOT_FORMAT = "nanhunt-snapshot"
@@ -90,7 +93,8 @@ def _node_source() -> tuple[str | None, str | None]:
         line = line.strip()
         if line.startswith('File "'):
             fname = line.split('"')[1]
-            if not (fname.startswith(_TORCH_DIR) or fname.startswith(_OUR_DIR)):
+            if not (fname.startswith(_TORCH_DIR) or fname.startswith(_OUR_DIR)
+                    or fname.startswith("<")):  # (<frozen runpy>: the interpreter's own)
                 try:
                     lineno = int(line.split("line ")[1].split(",")[0])
                 except (IndexError, ValueError):
@@ -125,13 +129,14 @@ class _OpRecorder(TorchDispatchMode):
         floats = [t for _, t in leaves if t.is_floating_point() and t.numel() > 0]
         if not floats:
             return out
-        amax, nonfinite, numel, strong = 0.0, 0, 0, False
+        amax, nonfinite, numel, strong, zeros = 0.0, 0, 0, False, 0
         for t in floats:
             f = t.detach().float()
             fin = torch.isfinite(f)
             bad = int((~fin).sum())
             nonfinite += bad
             numel += t.numel()
+            zeros += int((f == 0).sum())
             if bad and bool((torch.isnan(f) | (f == math.inf)).any()):
                 strong = True  # NaN or +inf: not a -inf mask being built
             if fin.any():
@@ -142,7 +147,8 @@ class _OpRecorder(TorchDispatchMode):
         rec = OpRecord(index=len(self.ops) + self.dropped, op=name,
                        phase="backward" if backward else "forward",
                        dtype=str(floats[0].dtype).removeprefix("torch."), amax=amax,
-                       nonfinite=nonfinite, numel=numel, source=source)
+                       nonfinite=nonfinite, numel=numel, source=source,
+                       scalars=_scalars(args, kwargs), zeros=zeros)
         if line:
             rec.source = f"{source}  {line}" if source else line
         # a -inf made by masked_fill/full/where is how masks are built: the first op that
@@ -157,6 +163,19 @@ class _OpRecorder(TorchDispatchMode):
         else:
             self.dropped += 1
         return out
+
+
+def _scalars(args: tuple, kwargs: dict | None) -> list[float]:
+    """The Python numbers an op was called with (an eps, a fill value, alpha), and one-element
+    tensors that hold one: the constants a hand-written norm or mask brings to the op."""
+    out: list[float] = []
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, float) or (isinstance(a, int) and not isinstance(a, bool)):
+            out.append(float(a))
+        elif isinstance(a, torch.Tensor) and a.numel() == 1 and a.dim() == 0 and \
+                a.is_floating_point():
+            out.append(float(a.detach().float()))
+    return out[:4]
 
 
 def _to_dtype(obj: Any, dtype: torch.dtype | None, requires_grad: bool) -> Any:
@@ -271,6 +290,8 @@ def zoom_into(trace: Trace, snap: Snapshot) -> None:
         trace.notes.append(
             f"the captured inputs of {snap.name} ({', '.join(snap.stale_inputs)}) were changed "
             "in place after capture; the op-level replay is not trusted")
+    if f.module == snap.name:
+        f.inputs = input_ranges(snap)
     result = replay(snap)
     trace.ops = result.ops
     if result.error:
@@ -293,6 +314,98 @@ def zoom_into(trace: Trace, snap: Snapshot) -> None:
     elif snap.call_site is not None:  # the op ran inside torch's own module: name the caller
         fname, line, text = snap.call_site
         f.source, f.source_line = f"{fname}:{line}", text
+
+
+@torch.no_grad()
+def input_ranges(snap: Snapshot, limit: int = 8) -> list[InputRange]:
+    """Exact ranges of the culprit's floating inputs (the values its failing call received)."""
+    leaves: list = []
+    tensor_leaves(snap.args, "input", leaves)
+    tensor_leaves(snap.kwargs or {}, "kwargs", leaves)
+    out = []
+    for path, t in leaves:
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        f = t.detach().double()
+        fin = torch.isfinite(f)
+        vals = f[fin]
+        some = vals.numel() > 0
+        out.append(InputRange(
+            path=path, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
+            min=float(vals.min()) if some else 0.0, max=float(vals.max()) if some else 0.0,
+            amax=float(vals.abs().max()) if some else 0.0,
+            mean=float(vals.mean()) if some else 0.0,
+            std=float(vals.std()) if vals.numel() > 1 else 0.0,
+            nonfinite=int((~fin).sum())))
+        if len(out) >= limit:
+            break
+    return out
+
+
+_OPTIM_DIR = str(Path(torch.optim.__file__).resolve().parent)
+
+
+def _optimizer_source() -> str | None:
+    """The line of torch's optimizer code running the op: ``adam.py:423  denom = ...``."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        fname = frame.f_code.co_filename
+        if fname.startswith(_OUR_DIR):
+            return None
+        if fname.startswith(_OPTIM_DIR) and not fname.endswith(("optimizer.py", "_functional.py")):
+            text = linecache.getline(fname, frame.f_lineno).strip()
+            return f"torch/optim/{Path(fname).name}:{frame.f_lineno}  {text}"
+        frame = frame.f_back
+    return None
+
+
+class _OptimizerOpRecorder(_OpRecorder):
+    """The op recorder for an optimizer step: the source is torch's optimizer line."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        n = len(self.ops)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if len(self.ops) > n:
+            rec = self.ops[-1]
+            rec.phase = "optimizer"
+            rec.source = _optimizer_source()
+        return out
+
+
+def replay_optimizer(snap: OptimizerSnapshot) -> ReplayResult:
+    """Run the copied optimizer's step on copies of its parameters under the op recorder."""
+    result = ReplayResult()
+    optimizer = copy.deepcopy(snap.optimizer)
+    recorder = _OptimizerOpRecorder()
+    try:
+        with recorder:
+            optimizer.step()
+    except Exception as exc:  # report, do not crash
+        result.error = f"{type(exc).__name__}: {exc}"
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    result.outputs_finite = all(bool(torch.isfinite(p).all()) for p in params)
+    result.ops, result.first, result.dropped_ops = recorder.ops, recorder.first, recorder.dropped
+    return result
+
+
+def zoom_optimizer(trace: Trace, snap: OptimizerSnapshot) -> None:
+    """Name the first aten op of the failing optimizer step that made a non-finite value."""
+    f = trace.first_failure
+    if f is None or f.phase != "optimizer" or f.step != snap.step:
+        return
+    result = replay_optimizer(snap)
+    if result.error:
+        trace.notes.append(f"replaying {snap.type}.step() raised {result.error}")
+    if result.first is None:
+        trace.notes.append(
+            f"replaying {snap.type}.step() on copies of its parameters, gradients and state "
+            "gave finite parameters: the failure did not reproduce")
+        return
+    trace.ops = result.ops
+    f.op = result.first.op
+    src = result.first.source
+    if src:
+        f.source, _, f.source_line = src.partition("  ")
 
 
 def _matches(rec_module: str | None, name: str) -> bool:

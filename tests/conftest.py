@@ -28,6 +28,7 @@ def _patched_methods() -> dict[str, object]:
         "GradScaler.scale": torch.amp.GradScaler.__dict__["scale"],
         "GradScaler.update": torch.amp.GradScaler.__dict__["update"],
         "GradScaler.unscale_": torch.amp.GradScaler.__dict__["unscale_"],
+        "GradScaler.step": torch.amp.GradScaler.__dict__["step"],
         "clip_grad_norm_": torch.nn.utils.clip_grad_norm_,
         "Optimizer.__init__": torch.optim.Optimizer.__dict__["__init__"],
         "clip_grad.clip_grad_norm_": torch.nn.utils.clip_grad.clip_grad_norm_,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import linecache
 import math
 import os
 import sys
@@ -169,6 +170,19 @@ def _variable_name(obj: object) -> str | None:
 # our frames are skipped when looking for the user's variables: the whole nanhunt package
 _THIS_PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__))
 _TORCH_DIR = torch.__file__.rsplit("/", 1)[0]
+
+
+def user_frame() -> tuple[str | None, str | None]:
+    """``("train.py:57", "optimizer.step()")``: the innermost calling frame that is the user's
+    code (not torch's, nanhunt's or the interpreter's), where a training-loop call was made."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        fname = frame.f_code.co_filename
+        if not (fname.startswith(_THIS_PACKAGE_DIR) or fname.startswith(_TORCH_DIR)
+                or fname.startswith("<")):
+            return f"{fname}:{frame.f_lineno}", linecache.getline(fname, frame.f_lineno).strip()
+        frame = frame.f_back
+    return None, None
 
 
 def _owner_of(module: nn.Module) -> nn.Module:

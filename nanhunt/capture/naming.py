@@ -20,6 +20,8 @@ class Naming:
         self.on_param = on_param
         self.names = WeakIdKeyDictionary()  # module -> name
         self.types: dict[str, str] = {}  # name -> class name (kept after the session ends)
+        self.params: dict[str, int] = {}  # name -> elements of its own parameters
+        self.released: dict[int, str] = {}
         self.roots: list[tuple[weakref.ref, str]] = []
         self.param_names = WeakIdKeyDictionary()  # parameter -> (name, owner module name)
         self._primary_set = False
@@ -32,6 +34,8 @@ class Naming:
 
     def release(self) -> None:
         """Drop every reference to the user's modules (the types stay for the layer table)."""
+        # names by id, for a crash's traceback (whose frames keep those modules alive)
+        self.released = {id(m): name for m, name in self.names.items()}
         self.names = WeakIdKeyDictionary()
         self.param_names = WeakIdKeyDictionary()
         self.roots = []
@@ -50,6 +54,12 @@ class Naming:
         if all(ref() is not root for ref, _ in self.roots):
             self.roots.append((weakref.ref(root), label))
         inner = _unwrap(root)
+        if inner is not root and self._primary_root is not None \
+                and self._primary_root() is inner and inner in self.names:
+            # DDP around the model the session was given (a framework wraps it after the
+            # session started): the wrapper takes the model's name, its modules keep theirs
+            self.names[root] = self.names[inner]
+            return
         if inner is not root:  # DDP & co: name the user's modules as in their own model
             self.names[root] = label
             self.types[label] = type(root).__name__
@@ -58,10 +68,12 @@ class Naming:
             name = (qual or label) if primary else (f"{label}.{qual}" if qual else label)
             self.names[mod] = name
             self.types[name] = type(mod).__name__
+            self.params[name] = 0
             for pname, p in mod.named_parameters(recurse=False):
                 if isinstance(p, nn.parameter.UninitializedParameter):
                     self._lazy = True  # named again once a forward has materialised it
                     continue
+                self.params[name] += p.numel()
                 if p.requires_grad and p not in self.param_names:
                     full = (f"{qual}.{pname}" if qual else pname) if primary else \
                         f"{name}.{pname}"

@@ -4,6 +4,7 @@ parameters, the step end), ``Optimizer.__init__`` (an optimizer exists) and ``cl
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from typing import Any
@@ -12,8 +13,14 @@ import torch
 from torch.optim import optimizer as _O
 
 from .. import stats as _stats
-from ._util import _foreach_amax, _foreach_norm, _safe, patch
-from .state import Part, _Meta
+from ..trace import OptimizerInfo
+from ._util import _foreach_amax, _foreach_norm, _safe, patch, user_frame
+from .state import OptimizerSnapshot, Part, _Meta
+
+#: parameter formats whose optimizer steps are copied before they run (to replay a failing one)
+_COPIED_DTYPES = (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+#: elements of parameters beyond which an optimizer is not copied every step
+_MAX_OPTIMIZER_COPY = 50_000_000
 
 
 class _Closure:
@@ -65,15 +72,16 @@ class OptimizerObserver(Part):
             return None
         self.s._saw_optimizer = True
         self.s._optimizers_seen.add(id(optimizer))
+        if id(optimizer) not in self.s.optimizer_infos:
+            self._describe(optimizer)
         scaler = self.s._scaler_ref() if self.s._scaler_ref is not None else None
-        if self.cur.step_scaler and scaler is not None and scaler.is_enabled():
-            # scaler.step(optimizer) unscales first; a direct optimizer.step() does not
-            state = scaler._per_optimizer_states.get(id(optimizer))
-            stage = getattr(state.get("stage"), "name", "READY") if state else "READY"
-            owns = any(id(p) in self.cur.scaled_grad_params
-                       for g in optimizer.param_groups for p in g["params"])
-            if stage == "READY" and owns:  # (an fp32 side model may step on its own loss)
-                self.s._misuse("optimizer_on_scaled_grads")
+        if self.cur.step_scaler and scaler is not None and scaler.is_enabled() and \
+                not self.s._in_scaler_step:
+            self._outside_scaler_step(optimizer, scaler)
+        closure = kwargs.get("closure") is not None or (args and callable(args[0]))
+        if self.s.keep_tensors and self.judge.first_failure is None and not closure and \
+                self.s.optimizer_snapshot is None and self.check_params:
+            self._copy_before_step(optimizer)
         self.s._optimizer_ran_step = self.s._step
         self.rec.data_for(self.s._step).optimizer_ran = True  # known on the host: no transfer
         # the norm of what this optimizer steps on (a GAN's other model may hold gradients
@@ -105,7 +113,13 @@ class OptimizerObserver(Part):
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None and _stats.summarizable(p) and not p.is_sparse]
         if params and self.check_params:
-            self._queue_params(params)
+            finite = self._queue_params(params)
+            pending = self.cur.optimizer_copy
+            if pending is not None and pending[0] == id(optimizer):
+                self.cur.optimizer_copy = None
+                # (a device sync, only for the few optimizers copied: low-precision weights)
+                if not bool(finite.all()):
+                    self.s.optimizer_snapshot = pending[1]
         # with one optimizer the step ends here (so a distributed run agrees on stopping
         # while every rank is still in step); once several optimizers step, at the next
         # forward: a GAN's second optimizer belongs to the same iteration
@@ -137,15 +151,77 @@ class OptimizerObserver(Part):
         clip_grad_norm_.__wrapped__ = original  # type: ignore[attr-defined]
         return clip_grad_norm_
 
+    def _describe(self, optimizer: Any) -> None:
+        """Its class and first group's lr and eps, once: what a step's arithmetic depends on."""
+        group = optimizer.param_groups[0] if optimizer.param_groups else {}
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        source, line = user_frame()
+
+        def number(key: str) -> float | None:
+            v = group.get(key)
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = float(v)
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+        self.s.optimizer_infos[id(optimizer)] = OptimizerInfo(
+            type=type(optimizer).__name__, lr=number("lr"), eps=number("eps"),
+            param_dtypes=sorted({str(p.dtype).removeprefix("torch.") for p in params}),
+            params=len(params), source=source, source_line=line or None)
+
+    def _outside_scaler_step(self, optimizer: Any, scaler: Any) -> None:
+        """optimizer.step() called by the user's loop while GradScaler scales its gradients."""
+        owns = any(id(p) in self.cur.scaled_grad_params
+                   for g in optimizer.param_groups for p in g["params"])
+        if not owns:  # (an fp32 side model may step on its own, unscaled loss)
+            return
+        state = scaler._per_optimizer_states.get(id(optimizer))
+        stage = getattr(state.get("stage"), "name", "READY") if state else "READY"
+        if stage == "READY":  # nothing unscaled them: every update is the scale times too big
+            self.s._misuse("optimizer_on_scaled_grads")
+            return
+        # unscaled (scaler.unscale_) or already stepped: GradScaler's inf check was made, and
+        # this step applies the gradients it found inf/NaN in (one sync, on a misuse only)
+        found = list(state["found_inf_per_device"].values()) if state else []
+        found_inf = bool(sum(float(f) for f in found)) if found else False
+        if found_inf:
+            self.rec.data_for(self.s._step).applied_anyway = True
+        self.s._misuse("optimizer_outside_scaler_step", found_inf=found_inf)
+
+    def _copy_before_step(self, optimizer: Any) -> None:
+        """Low-precision parameters: keep a copy of what this step reads, to replay it when it
+        makes a parameter non-finite (an eps that is 0 in float16 does so on the first step)."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not any(p.dtype in _COPIED_DTYPES for p in params):
+            return
+        if sum(p.numel() for p in params) > _MAX_OPTIMIZER_COPY:
+            return
+        memo: dict[int, Any] = {}
+        for p in params:
+            c = p.detach().clone().requires_grad_(p.requires_grad)
+            if p.grad is not None:
+                c.grad = p.grad.detach().clone()
+            memo[id(p)] = c
+        try:
+            copied = copy.deepcopy(optimizer, memo)
+        except Exception:  # an optimizer that cannot be copied is not replayed
+            return
+        self.cur.optimizer_copy = (id(optimizer), OptimizerSnapshot(
+            copied, self.s._step, type(optimizer).__name__))
+
     @torch.no_grad()
-    def _queue_params(self, params: list[torch.Tensor]) -> None:
+    def _queue_params(self, params: list[torch.Tensor]) -> torch.Tensor:
         """Updated parameters, cheaply: one fused max-norm kernel per device gives each one's
-        amax, and NaN/inf when it went non-finite; a culprit is summarised exactly later."""
+        amax, and NaN/inf when it went non-finite; a culprit is summarised exactly later.
+        Returns whether each parameter is finite (on the device; nothing waits for it)."""
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for p in params:
             by_device.setdefault(p.device, []).append(p)
+        finite = []
         for device, ps in by_device.items():
             norms = _foreach_amax(ps)
+            finite.append(torch.isfinite(norms).all().reshape(1).cpu()
+                          if self.cur.optimizer_copy is not None else
+                          torch.ones(1, dtype=torch.bool))
             rows = torch.zeros((len(ps), _stats.ROW_LEN), dtype=torch.float64, device=device)
             # numel is filled in on the host (no host-to-device copy here)
             rows[:, 1] = torch.isnan(norms).double()
@@ -161,6 +237,7 @@ class OptimizerObserver(Part):
                     tensor=name, role="param", dtype=str(p.dtype).removeprefix("torch."),
                     shape=tuple(p.shape), owner=owner, approx=weakref.ref(p)))
                 self.rec.dtypes.add(str(p.dtype).removeprefix("torch."))
+        return torch.cat(finite) if finite else torch.ones(1, dtype=torch.bool)
 
     @torch.no_grad()
     def queue_grad_norm(self) -> None:

@@ -244,6 +244,8 @@ class Recorder:
         rec.records = len(d.metas)
         if d.scale_after is not None and d.scale is not None:
             rec.skipped = bool(d.found_inf) if d.found_inf is not None else d.scale_after < d.scale
+            if d.applied_anyway:
+                rec.skipped = False  # the optimizer applied it outside scaler.step()
             if d.scale_after != d.scale and len(self.scaler_events) < HISTORY and not (
                     self.scaler_events and self.scaler_events[-1].step >= d.index):
                 self.scaler_events.append(ScalerEvent(

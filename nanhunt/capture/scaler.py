@@ -1,5 +1,6 @@
 """Scaler observer: ``GradScaler.update`` (found_inf, the scale before and after: the step ends
-there) and ``GradScaler.unscale_`` (whether gradients were unscaled before clipping)."""
+there), ``GradScaler.unscale_`` (whether gradients were unscaled before clipping) and
+``GradScaler.step`` (whether an optimizer step is the scaler's own)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,21 @@ class ScalerObserver(Part):
     def install(self, stack: Any) -> None:
         patch(stack, torch.amp.GradScaler, "update", self._wrap_update)
         patch(stack, torch.amp.GradScaler, "unscale_", self._wrap_unscale)
+        patch(stack, torch.amp.GradScaler, "step", self._wrap_step)
+
+    def _wrap_step(self, original: Any) -> Any:
+        obs = self
+
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            # an optimizer.step() that runs while this is > 0 is the scaler's own
+            obs.s._in_scaler_step += 1
+            try:
+                return original(scaler, optimizer, *args, **kwargs)
+            finally:
+                obs.s._in_scaler_step -= 1
+
+        step.__wrapped__ = original  # type: ignore[attr-defined]
+        return step
 
     def _wrap_update(self, original: Any) -> Any:
         obs = self

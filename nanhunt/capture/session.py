@@ -27,8 +27,18 @@ from torch import nn
 
 from ..errors import NanhuntError
 from ..formats import NumberFormat, get_format
-from ..trace import Failure, LayerStats, RunInfo, ScalerEvent, StepRecord, TensorRecord, Trace
-from ._util import _autocast_state
+from ..trace import (
+    Failure,
+    LayerStats,
+    LoopCall,
+    OptimizerInfo,
+    RunInfo,
+    ScalerEvent,
+    StepRecord,
+    TensorRecord,
+    Trace,
+)
+from ._util import _autocast_state, user_frame
 from .autograd import AutogradObserver
 from .judge import Judge
 from .loss import LossObserver
@@ -38,7 +48,7 @@ from .optimizer import OptimizerObserver
 from .recorder import Recorder
 from .scaler import ScalerObserver
 from .snapshot import Snapshots
-from .state import Snapshot, StepState, _StepData
+from .state import OptimizerSnapshot, Snapshot, StepState, _StepData
 
 _LOW = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -114,6 +124,11 @@ class Session:
         self._compose()
         self.internal_errors: list[str] = []
         self.snapshot: Snapshot | None = None
+        # the optimizer step that made a parameter non-finite, copied just before it ran
+        self.optimizer_snapshot: OptimizerSnapshot | None = None
+        self.optimizer_infos: dict[int, OptimizerInfo] = {}  # id(optimizer) -> what it was
+        self.loop_calls: dict[str, LoopCall] = {}  # misuse code -> where the user's loop did it
+        self._in_scaler_step = 0  # inside GradScaler.step(): its optimizer.step() is its own
         self.failure_extra: dict[str, Any] = {}
         self.devices: set[str] = set()
         self.autocast_seen = False
@@ -156,7 +171,10 @@ class Session:
     @property
     def layers(self) -> list[LayerStats]:
         """Per-module forward and backward ranges over the recorded steps, execution order."""
-        return [self.recorder.layer_stats(acc) for acc in self.recorder.accs.values()]
+        layers = [self.recorder.layer_stats(acc) for acc in self.recorder.accs.values()]
+        for layer in layers:
+            layer.params = self.naming.params.get(layer.module, 0)
+        return layers
 
     @property
     def step(self) -> int:
@@ -262,10 +280,19 @@ class Session:
 
     # -- shared by the observers ----------------------------------------------------------
 
-    def _misuse(self, code: str) -> None:
+    def _misuse(self, code: str, *, found_inf: bool = False) -> None:
         rec = self.recorder.step_record(self._step)
-        if code not in rec.misuse:
+        first_this_step = code not in rec.misuse
+        if first_this_step:
             rec.misuse.append(code)
+        call = self.loop_calls.get(code)
+        if call is None:
+            source, line = user_frame()
+            self.loop_calls[code] = LoopCall(code, self._step, source, line or None,
+                                             found_inf=found_inf)
+        elif first_this_step:
+            call.steps += 1
+            call.found_inf = call.found_inf or found_inf
 
     def _allowed(self, module: str, tensor: str) -> bool:
         return any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(f"{module}.{tensor}", p)
@@ -376,6 +403,8 @@ class Session:
             layer_steps=self.recorder.layer_steps(),
             notes=[f"nanhunt stopped tracing after an internal error: {e}"
                    for e in self.internal_errors],
+            optimizers=copy.deepcopy(list(self.optimizer_infos.values())),
+            loop_calls=copy.deepcopy(list(self.loop_calls.values())),
         )
 
 

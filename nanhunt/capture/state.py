@@ -77,6 +77,9 @@ class _StepData:
     optimizer_ran: bool = False
     grad_sumsq: float | None = None
     problem: str | None = None
+    # optimizer.step() ran outside scaler.step() on gradients GradScaler found inf/NaN in:
+    # the step GradScaler "skipped" was applied after all
+    applied_anyway: bool = False
 
 
 @dataclass
@@ -121,6 +124,16 @@ class Snapshot:
     names: dict[str, str] = field(default_factory=dict)  # submodule path -> name in the trace
 
 
+@dataclass
+class OptimizerSnapshot:
+    """A copy of an optimizer (its parameters, their gradients, its state) taken just before
+    a step, to replay that step under the op recorder when it made a parameter non-finite."""
+
+    optimizer: Any
+    step: int
+    type: str
+
+
 class StepState:
     """What the step in flight has seen: its module calls and open frames, each tensor already
     recorded (by identity and version), the gradient hooks to drop at its end, and the tensors
@@ -146,6 +159,8 @@ class StepState:
         self.scaled_losses: list[weakref.ref] = []  # by identity: ids of freed ones are reused
         self.transferred = False
         self.step_scaler = False
+        # (id(optimizer), its copy before this step's update): kept if the update goes bad
+        self.optimizer_copy: tuple[int, OptimizerSnapshot] | None = None
 
     def next_order(self) -> int:
         self.order += 1

@@ -22,8 +22,9 @@ __all__ = ["CallbackSession"]
 
 _log = logging.getLogger("nanhunt")
 
-#: modes a callback accepts; "sentinel" (always-on cheap checks) is built separately
-MODES = ("full", "sampled")
+#: "full": every step traced; "sampled": every sample_every-th step; "sentinel": cheap checks
+#: on every step and a full replay of the step that trips one
+MODES = ("full", "sampled", "sentinel")
 
 
 class _Vote:
@@ -50,7 +51,9 @@ class CallbackSession:
     ``target``        format to judge ranges against (default: from the framework's precision
                       setting, else what autocast or the parameters use)
     ``keep_going``    let training run on after the first failure
-    ``mode``          ``"full"`` (every step traced) or ``"sampled"`` (every ``sample_every``-th)
+    ``mode``          ``"full"`` (every step traced), ``"sampled"`` (every ``sample_every``-th)
+                      or ``"sentinel"`` (cheap checks every step, a traced replay of a step
+                      that trips one)
     ``tensorboard``   ``True`` (the run's TensorBoard folder + ``/nanhunt``) or a folder: write
                       the per-step series there when training ends
     ``quiet``         no terminal summary (the headline still goes to the ``nanhunt`` logger)
@@ -72,6 +75,8 @@ class CallbackSession:
     ) -> None:
         if mode not in MODES:
             raise NanhuntError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if mode == "sentinel" and _sentinel_class() is None:
+            raise NanhuntError("mode='sentinel' needs a nanhunt with nanhunt.capture.Sentinel")
         if sample_every < 1 or keep_steps < 1:
             raise NanhuntError("sample_every and keep_steps must be at least 1")
         if target is not None:
@@ -131,15 +136,20 @@ class CallbackSession:
             self._ctx.rank, self._ctx.world_size = rank, world_size
         chosen = self.target or target
         self._framework = framework
-        self.hunt = Hunt(
-            model, optimizer, scaler,
-            target=chosen or "auto",  # auto: what autocast or the parameters use
-            keep_steps=self.keep_steps,
-            allow_inf=self.allow_inf,
-            sample_every=self.sample_every,
-            stop_on_problem=False,  # the framework stops training, not an exception of ours
-            first_step=first_step,  # steps numbered like the framework's (a resumed run)
-        )
+        common = {
+            "target": chosen or "auto",  # auto: what autocast or the parameters use
+            "keep_steps": self.keep_steps,
+            "allow_inf": self.allow_inf,
+            "first_step": first_step,  # steps numbered like the framework's (a resumed run)
+        }
+        if self.mode == "sentinel":
+            # out=None: the reports are written here at the end, as for the other modes;
+            # stop=False: the framework stops training, not an exception of ours
+            self.hunt = _sentinel_class()(model, optimizer, scaler, out=None, stop=False,
+                                          **common)
+        else:
+            self.hunt = Hunt(model, optimizer, scaler, sample_every=self.sample_every,
+                             stop_on_problem=False, **common)
         self._run = _run_info(torch.__version__, framework)
         # empty: the session fills in where its automatic choice came from
         self._run.target_source = "option" if self.target else (target_source if chosen else "")
@@ -240,6 +250,14 @@ class CallbackSession:
         else:
             headline = "nanhunt: no non-finite value or range problem found"
         (_log.warning if trace.problem else _log.info)("%s; reports: %s", headline, paths)
+
+
+def _sentinel_class() -> Any:
+    try:
+        from ..capture import Sentinel
+    except ImportError:
+        return None
+    return Sentinel
 
 
 def _now() -> str:

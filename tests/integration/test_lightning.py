@@ -95,6 +95,51 @@ def test_keep_going_trains_to_the_end(run_callback):
     assert len(run.report["steps"]) == 8
 
 
+def test_sampled_mode_traces_every_fifth_step_fully(run_callback):
+    run = run_callback(NAN_BATCH, "--sample-every", "5")
+    steps = run.report["steps"]
+    assert [s["index"] for s in steps] == list(range(6))
+    _losses_match(run)  # the cheap check keeps every step's loss
+    # between sampled steps: the loss and the 4 updated parameters (2 Linear x weight, bias)
+    assert [s["records"] for s in steps[1:5]] == [1 + 4] * 4
+    assert steps[0]["records"] > 5 and steps[5]["records"] > 5  # module rows too
+    assert run.failure[:2] == (5, "data")  # step 5 is a sampled one: the origin is exact
+
+
+@pytest.mark.parametrize("extra", [[], ["--optimizer", "lbfgs"]], ids=["sgd", "lbfgs"])
+def test_training_is_bit_identical_with_the_callback(tmp_path, capsys, extra):
+    """Every loss the script prints (repr: every bit of the float) is the same with and
+    without the callback."""
+    saved = sys.argv[:]
+    outputs = []
+    for with_callback in (False, True):
+        sys.argv = [str(NAN_BATCH), "--keep-going", *extra]
+        if with_callback:
+            sys.argv += ["--callback", str(tmp_path / "r")]
+        try:
+            runpy.run_path(str(NAN_BATCH), run_name="__main__")
+        finally:
+            sys.argv = saved
+        outputs.append(_LINE.findall(capsys.readouterr().out))
+    assert outputs[0] == outputs[1] and len(outputs[0]) >= 8
+
+
+def test_sentinel_mode_finds_the_batch_from_its_replay(run_callback):
+    import nanhunt.capture as cap
+
+    if not hasattr(cap, "Sentinel"):
+        pytest.skip("this nanhunt has no sentinel mode yet")
+    run = run_callback(NAN_BATCH, "--sentinel")
+    rep = run.report
+    assert rep["run"]["mode"] == "sentinel"
+    assert run.failure[:2] == (5, "data")
+    assert rep["first_failure"]["bad_samples"] == {"input[0]": [3]}
+    assert rep["run"]["target"] == "bfloat16"
+    assert [s["index"] for s in rep["steps"]] == list(range(6))
+    _losses_match(run)
+    assert run.final_global_step == 6
+
+
 def test_lbfgs_closure_called_three_times_is_one_step(run_callback):
     run = run_callback(NAN_BATCH, "--optimizer", "lbfgs")
     assert all(len(v) == 3 for v in run.printed.values())  # max_iter=3 closure calls a step
@@ -142,6 +187,18 @@ def test_manual_optimisation(run_callback, arch):
     assert run.report["run"]["target"] == "bfloat16"
     _losses_match(run)
     assert run.final_global_step == 4
+
+
+def test_overflow_in_a_half_conv_head(run_callback):
+    """The sibling of the HF Trainer's .half() MLP head: a conv head under 32-true."""
+    run = run_callback(NAN_BATCH, "--fp16-head")
+    rep = run.report
+    assert run.failure == (0, "forward", "head", "output")
+    assert rep["first_failure"]["op"] == "aten.convolution"
+    assert (rep["run"]["target"], rep["run"]["target_source"]) == ("float16", "parameters")
+    assert rep["diagnosis"]["kind"] == "overflow"
+    assert math.isinf(run.printed[0][0])  # the script's own loss was inf
+    assert run.final_global_step == 1  # stopped after step 0
 
 
 def test_tensorboard_from_the_callback(run_callback, tmp_path):
@@ -220,3 +277,26 @@ def test_an_exception_in_training_writes_a_crashed_report(tmp_path):
     assert "broken batch" in rep["run"]["error"]
     assert [s["index"] for s in rep["steps"]][:2] == [0, 1]
     assert rep["run"]["target_source"] == "default"  # 32-true: nothing in low precision
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_rank_1_named_both_stop(tmp_path):
+    """Lightning DDP on CPU (gloo, 2 processes): only rank 1's data has the NaN sample."""
+    import subprocess
+
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, str(NAN_BATCH), "--devices", "2", "--callback",
+                           str(out)], capture_output=True, text=True, timeout=400,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = re.findall(r"batch (\d+) global_step (\d+) loss (\S+) rank (\d)", proc.stdout)
+    nan_rank = {int(r) for _, _, loss, r in lines if loss == "nan"}
+    assert nan_rank == {1}
+    # both ranks stopped after the same step (nanhunt's vote), through trainer.should_stop
+    assert proc.stdout.count("done global_step 6") == 2
+    rep = json.loads((out / "report.json").read_text())
+    f = rep["first_failure"]
+    assert (f["step"], f["phase"], f["rank"], f["module"]) == (5, "data", 1, "Model")
+    assert rep["run"]["world_size"] == 2
+    assert [(r["rank"], len(r["steps"])) for r in rep["ranks"]] == [(0, 6), (1, 6)]
+    assert (out / "ranks" / "rank-1.json").exists()

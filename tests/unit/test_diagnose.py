@@ -389,7 +389,7 @@ def test_optimizer_nan_with_steady_fp16_weights_is_eps_underflow():
     )
     d = diagnosed(t).diagnosis
     assert (d.kind, d.rule) == ("underflow", "optimizer-eps")
-    assert any("1e-08 (zero in float16)" in e for e in d.evidence)
+    assert any("eps=1e-08 is zero in float16" in e for e in d.evidence)
 
 
 # --------------------------------------------------------------------------------------------
