@@ -8,10 +8,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .capture import Hunt, Sentinel, StopRun, sentinel, watch
 from .errors import NanhuntError
 from .formats import FORMATS, get_format
+
+if TYPE_CHECKING:
+    from .capture import Hunt, Sentinel, StopRun, sentinel, watch
 
 __all__ = [
     "FORMATS",
@@ -24,3 +28,23 @@ __all__ = [
     "sentinel",
     "watch",
 ]
+
+# Hunt, watch and the sentinel need torch; importing them on first use keeps `nanhunt --help`,
+# usage errors and `nanhunt report` (all torch-free) from paying torch's import time (about a
+# second).
+_LAZY = dict.fromkeys(("Hunt", "Sentinel", "StopRun", "sentinel", "watch"), "capture")
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nanhunt' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

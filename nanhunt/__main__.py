@@ -1,5 +1,13 @@
+"""``python -m nanhunt``."""
+
+from __future__ import annotations
+
 import sys
 
-from .cli import main
+try:  # a Ctrl-C while nanhunt itself loads: one line and 130, as later on
+    from .cli import entry
 
-sys.exit(main())
+    entry()
+except KeyboardInterrupt:
+    sys.stderr.write("nanhunt: interrupted\n")
+    sys.exit(130)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import os
 import platform
@@ -14,102 +15,25 @@ from pathlib import Path
 from typing import Any
 
 from ._version import __version__
+from .cli_args import (
+    EXIT_CODES,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_SCRIPT_FAILED,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    Parser,
+    diagnose_parser,
+    split_argv,
+)
 from .errors import NanhuntError
-from .formats import FORMATS
 
-__all__ = ["entry", "main"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_SCRIPT_FAILED", "EXIT_USAGE",
+           "entry", "main", "split_argv"]
 
-EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_SCRIPT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-
-_EXIT_CODES = """\
-exit codes:
-  0    the script ran and no non-finite value or range problem was found
-  1    a problem was found and reported
-  2    usage error (missing script, bad option, unreadable report)
-  3    the script failed for another reason (its traceback is printed as Python prints it)
-  130  interrupted (Ctrl-C); a partial report is written
-  n    the script called sys.exit(n) and no problem was found
-"""
-
-_DIAGNOSE_HELP = """\
-Run a training script under instrumentation and report where, why and how to fix the first
-non-finite value. Options go before the script; everything after the script belongs to it.
-
-  nanhunt diagnose [options] train.py [script args ...]
-  nanhunt diagnose [options] -m package.module [args ...]
-"""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
-        raise NanhuntError(message)
-
-
-def _diagnose_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="nanhunt diagnose", description=_DIAGNOSE_HELP, epilog=_EXIT_CODES,
-                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.add_argument("--out", default="nanhunt-report", metavar="DIR",
-                   help="folder for report.json, report.html, report.txt (default: %(default)s)")
-    p.add_argument("--target", default=None, choices=sorted(FORMATS),
-                   help="format to judge ranges against (default: the low-precision format "
-                   "autocast or the parameters use, float16 when the run has none)")
-    p.add_argument("--keep-going", action="store_true",
-                   help="let the script run on after the first failure")
-    p.add_argument("--max-steps", type=int, metavar="N", help="stop the script after N steps")
-    p.add_argument("--allow-inf", action="append", default=[], metavar="PATTERN",
-                   help="module-name glob whose non-finite values are intentional (repeatable)")
-    p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
-    p.add_argument("--sample-every", type=int, default=1, metavar="N",
-                   help="full statistics every N steps, a cheap finite check otherwise")
-    p.add_argument("--mode", choices=("full", "sentinel"), default="full",
-                   help="full: trace every step; sentinel: cheap checks every step, the "
-                        "failing step replayed with full tracing (default: %(default)s)")
-    p.add_argument("--keep-steps", type=int, default=64, metavar="N",
-                   help="steps of detailed records kept in memory (default: %(default)s)")
-    p.add_argument("--all", action="store_true", dest="show_all",
-                   help="show every module in the terminal summary")
-    p.add_argument("--quiet", action="store_true", help="no live line and no summary")
-    p.add_argument("--nproc-per-node", type=int, metavar="N",
-                   help="launch N processes with torch.distributed's launcher (DDP)")
-    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module as a script")
-    p.add_argument("script", nargs="?", help="the training script")
-    return p
-
-
-_VALUE_OPTIONS = {"--out", "--target", "--max-steps", "--allow-inf", "--sample-every",
-                  "--keep-steps", "--nproc-per-node", "--mode"}
-
-
-def split_argv(argv: Sequence[str]) -> tuple[list[str], str | None, str | None, list[str]]:
-    """Split at the script: (our options, script, module, script args).
-
-    Done by hand because argparse's REMAINDER drops a ``--`` that belongs to the script.
-    """
-    ours: list[str] = []
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if tok == "--":
-            if i + 1 >= len(argv):
-                break
-            return ours, argv[i + 1], None, list(argv[i + 2:])
-        if tok == "-m":
-            if i + 1 >= len(argv):
-                raise NanhuntError("-m needs a module name")
-            return ours, None, argv[i + 1], list(argv[i + 2:])
-        if tok.startswith("-m") and not tok.startswith("--"):
-            return ours, None, tok[2:], list(argv[i + 1:])
-        if tok.startswith("-") and tok != "-":
-            ours.append(tok)
-            if tok in _VALUE_OPTIONS:
-                if i + 1 >= len(argv):
-                    raise NanhuntError(f"{tok} needs a value")
-                ours.append(argv[i + 1])
-                i += 1
-            i += 1
-            continue
-        return ours, tok, None, list(argv[i + 1:])
-    return ours, None, None, []
+# the parser, argv splitting and exit codes live in cli_args (distributed.py needs them too)
+_diagnose_parser, _Parser, _EXIT_CODES = diagnose_parser, Parser, EXIT_CODES
 
 
 # ----------------------------------------------------------------------------- diagnose
@@ -192,6 +116,40 @@ class _Terminated(BaseException):
     pass
 
 
+class _CtrlC:
+    """nanhunt's own SIGINT handler, outside the user's script.
+
+    Before the script starts it records the press and raises KeyboardInterrupt, as Python's
+    handler does; the record matters because C code in the imports (numpy's, torch's) can
+    swallow the exception, and the script must not start after a Ctrl-C. After the script it
+    only records (``raising`` False) except while the analysis runs, so that a Ctrl-C cuts the
+    analysis short but never loses the report of what the script ran. The script itself runs
+    under Python's own handler, exactly as under ``python script.py``.
+    """
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self.raising = True
+        self._installed = False
+
+    def install(self, *, raising: bool) -> None:
+        self.raising = raising
+        if not self._installed and _main_thread() \
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self._on_sigint)
+            self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self._installed = False
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.pressed = True
+        if self.raising:
+            raise KeyboardInterrupt
+
+
 def _run_info(argv: Sequence[str], script: str, torch_version: str) -> Any:
     from .trace import RunInfo
 
@@ -221,7 +179,7 @@ def cmd_diagnose(argv: Sequence[str]) -> int:
             raise NanhuntError(f"{name} must be at least 1")
     if opts.mode == "sentinel" and opts.sample_every != 1:
         raise NanhuntError("--sample-every applies to --mode full only")
-    from .runner import Target
+    from .runner import Target, TargetMissing
 
     target = Target(script=script, module=module, args=script_args)
     target.check()
@@ -230,14 +188,26 @@ def cmd_diagnose(argv: Sequence[str]) -> int:
 
         return launch(opts.nproc_per_node, list(argv))
     out_dir = Path(opts.out)
+    created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise NanhuntError(f"cannot create report folder {out_dir}: {exc.strerror}") from None
-    return _diagnose(opts, target, list(argv), out_dir)
+    ctrl_c = _CtrlC()
+    ctrl_c.install(raising=True)
+    try:
+        return _diagnose(opts, target, list(argv), out_dir, ctrl_c)
+    except TargetMissing:
+        if created:  # a usage error leaves nothing behind
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()
+        raise
+    finally:
+        ctrl_c.uninstall()
 
 
-def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: Path) -> int:
+def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: Path,
+              ctrl_c: _CtrlC) -> int:
     import torch
 
     from .capture import Hunt, StopRun
@@ -266,11 +236,15 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
             raise _Terminated()
 
         old_term = signal.signal(signal.SIGTERM, _on_term)
+    if ctrl_c.pressed:  # pressed during the imports and swallowed there: do not start
+        raise KeyboardInterrupt
+    ctrl_c.uninstall()
     hunt.start()
     try:
         with live:
             outcome = run_target(target, (StopRun, _Terminated))
     finally:
+        ctrl_c.install(raising=False)
         if old_term is not None and ctx.distributed:
             # torchrun sends SIGTERM to every worker once one fails: finish the report first
             signal.signal(signal.SIGTERM, ctx.defer_sigterm)
@@ -278,7 +252,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
         if old_term is not None and not ctx.distributed:
             signal.signal(signal.SIGTERM, old_term)
     if isinstance(outcome.error, _Terminated):
-        outcome.status, outcome.exit_code = "interrupted", 143
+        outcome.status, outcome.exit_code = "interrupted", EXIT_TERMINATED
     run.finished = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     run.status = outcome.status if outcome.status != "exited" else "complete"
     if outcome.status == "stopped":
@@ -286,6 +260,10 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     if outcome.status in ("crashed", "interrupted") and outcome.error is not None:
         run.error = f"{type(outcome.error).__name__}: {outcome.error}".strip().rstrip(":")
     if outcome.status == "crashed" and outcome.error is not None:
+        from .crash import describe_crash
+
+        # where in the user's code it raised, and which module ran: rules name the cause
+        hunt.crash = describe_crash(outcome.error, hunt.naming.released, step=hunt.step)
         if hunt.first_failure is not None and hasattr(outcome.error, "add_note"):
             outcome.error.add_note(
                 f"nanhunt: first non-finite value at {hunt.first_failure.where()}")
@@ -301,6 +279,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
             ctx=ctx,
             show_all=opts.show_all,
             quiet=opts.quiet,
+            ctrl_c=ctrl_c,
         )
     finally:
         if old_term is not None and ctx.distributed:
@@ -425,7 +404,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except SystemExit as exc:  # argparse's --help
         return exc.code if isinstance(exc.code, int) else EXIT_OK
+    except KeyboardInterrupt:  # before the script started (imports) or after it (analysis)
+        _interrupted()
+        return EXIT_INTERRUPTED
+
+
+def _interrupted() -> None:
+    # a second Ctrl-C while this line is written must not print a traceback either
+    with contextlib.suppress(KeyboardInterrupt, OSError, ValueError):
+        sys.stderr.write("nanhunt: interrupted\n")
+        sys.stderr.flush()
 
 
 def entry() -> None:
-    sys.exit(main())
+    """The console script: ``nanhunt ...``."""
+    try:
+        code = main()
+    except KeyboardInterrupt:  # between main's handlers: still one line, never a traceback
+        _interrupted()
+        code = EXIT_INTERRUPTED
+    sys.exit(code)

@@ -1112,6 +1112,11 @@ _MISUSE = {
         "(inf/NaN gradients) are applied anyway",
         "call scaler.step(optimizer) instead of optimizer.step(): it skips those steps",
     ),
+    "optimizer_stepped_twice": (
+        "optimizer.step() runs again after scaler.step(optimizer): every update is applied "
+        "twice, and the steps GradScaler skips (inf/NaN gradients) are applied anyway",
+        "remove the optimizer.step() call: scaler.step(optimizer) already steps the optimizer",
+    ),
     "optimizer_on_scaled_grads": (
         "optimizer.step() ran on gradients still multiplied by the loss scale, so every "
         "update was that many times too large",
@@ -1152,7 +1157,8 @@ def scaler_misuse(trace: Trace, ctx: Context) -> Iterator[Finding]:
         if scales:
             evidence.append(f"loss scale in effect: {', '.join(f'{x:g}' for x in scales[:4])}")
         f = ctx.failure
-        if code == "optimizer_outside_scaler_step" and call is not None and call.found_inf:
+        applied = code in ("optimizer_outside_scaler_step", "optimizer_stepped_twice")
+        if applied and call is not None and call.found_inf:
             evidence.append(
                 f"step {call.step}: GradScaler found inf/NaN in the gradients (it would have "
                 "skipped this step) and optimizer.step() applied them")

@@ -553,7 +553,7 @@ class RankContext:
         ``nanhunt diagnose --nproc-per-node``, rank 0 too exits 0 after a problem every rank
         reported (the launcher reads the code from the report), which keeps torchrun's failure
         summary from burying nanhunt's."""
-        from .cli import EXIT_PROBLEM
+        from .cli_args import EXIT_PROBLEM
 
         if not self.distributed or code != EXIT_PROBLEM or trace.run.status in _ENDED:
             return code
@@ -630,7 +630,7 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
     ['torch.distributed.run', '--standalone', '--nproc-per-node=2', '-m', 'nanhunt', 'diagnose', \
 '-q', 't.py', '--nproc-per-node', '1']
     """
-    from .cli import split_argv
+    from .cli_args import split_argv
 
     ours, script, module, script_args = split_argv(argv)
     if module is not None:
@@ -656,15 +656,15 @@ def launch(nproc: int, argv: list[str]) -> int:
     """``nanhunt diagnose --nproc-per-node N ...``: the same run under torch.distributed's own
     launcher (``python -m torch.distributed.run --standalone``); the exit code follows the merged
     report that rank 0 writes."""
-    from .cli import (
+    from .cli_args import (
         EXIT_INTERRUPTED,
         EXIT_PROBLEM,
         EXIT_SCRIPT_FAILED,
-        _diagnose_parser,
+        diagnose_parser,
         split_argv,
     )
 
-    opts = _diagnose_parser().parse_args(split_argv(argv)[0])
+    opts = diagnose_parser().parse_args(split_argv(argv)[0])
     cmd = torchrun_command(nproc, argv)
     out_dir = Path(opts.out)
     started = time.time()

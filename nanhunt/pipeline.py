@@ -51,6 +51,8 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
     _guard(trace, "advice", advise, trace)
     if snapshot is not None:
         _guard(trace, "verification", zoom.verify, trace, snapshot)
+    if optimizer_snapshot is not None:
+        _guard(trace, "optimizer verification", zoom.verify_optimizer, trace, optimizer_snapshot)
     for rec in trace.recommendations:
         if not rec.verification:
             rec.verification = zoom.why_not_verified(rec.type, captured=snapshot is not None)
@@ -76,8 +78,12 @@ def _promote_severe_underflow(trace: Trace) -> None:
 
 
 def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool = False,
-                       ctx: Any = None, show_all: bool = False, quiet: bool = False) -> Trace:
-    """Build the trace from a finished session, analyse it and write every report form."""
+                       ctx: Any = None, show_all: bool = False, quiet: bool = False,
+                       ctrl_c: Any = None) -> Trace:
+    """Build the trace from a finished session, analyse it and write every report form.
+
+    ``ctrl_c`` (the CLI's SIGINT handler: ``pressed``, ``raising``) lets a Ctrl-C cut the
+    analysis short; the report is written and KeyboardInterrupt raised after it."""
     from .report import render_terminal, write_reports
 
     try:
@@ -89,13 +95,25 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
     if distributed:
         ctx.leave()  # peers waiting for this rank's next step-end vote stop now
     # each rank keeps its own snapshot (OUT/ranks/rank-<r>/); rank 0 merges, only it reports
-    analyse(
-        trace,
-        hunt.snapshot,
-        strict=strict,
-        out_dir=ctx.rank_dir(out_dir) if distributed else out_dir,
-        optimizer_snapshot=getattr(hunt, "optimizer_snapshot", None),
-    )
+    note = "analysis interrupted (Ctrl-C): this report has what was found before it"
+    if ctrl_c is not None and ctrl_c.pressed:  # pressed as the script ended
+        trace.notes.append(note)
+    else:
+        try:
+            if ctrl_c is not None:
+                ctrl_c.raising = True
+            analyse(
+                trace,
+                hunt.snapshot,
+                strict=strict,
+                out_dir=ctx.rank_dir(out_dir) if distributed else out_dir,
+                optimizer_snapshot=getattr(hunt, "optimizer_snapshot", None),
+            )
+        except KeyboardInterrupt:  # cut short: keep what the run recorded
+            trace.notes.append(note)
+        finally:
+            if ctrl_c is not None:
+                ctrl_c.raising = False  # writing the report is not interrupted
     if distributed:
         trace = _guard(trace, "merging ranks", ctx.merge, trace, out_dir) or trace
         if ctx.rank != 0:
@@ -109,6 +127,8 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
         if paths:
             console.print("reports: " + ", ".join(str(p) for p in paths.values()),
                           soft_wrap=True)
+    if ctrl_c is not None and ctrl_c.pressed:
+        raise KeyboardInterrupt  # the CLI says so in one line and exits 130
     return trace
 
 

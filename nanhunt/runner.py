@@ -12,7 +12,7 @@ from types import TracebackType
 
 from .errors import NanhuntError
 
-__all__ = ["Outcome", "Target", "print_user_traceback", "run_target"]
+__all__ = ["Outcome", "Target", "TargetMissing", "print_user_traceback", "run_target"]
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 _HIDDEN = (_PACKAGE_DIR, str(Path(runpy.__file__).resolve()), "<frozen runpy>")
@@ -37,6 +37,46 @@ class Target:
                 raise NanhuntError(f"no such script: {self.script}")
             if path.is_dir() and not (path / "__main__.py").exists():
                 raise NanhuntError(f"{self.script} is a folder with no __main__.py")
+        elif self.module is not None:
+            # a top-level lookup imports nothing of the user's; a dotted name is checked again
+            # in run_target, where looking it up imports its packages as python -m does
+            import importlib.util
+
+            top = self.module.split(".")[0]
+            if top and importlib.util.find_spec(top) is None:
+                raise TargetMissing(f"no module named {top}")
+            if "." not in self.module:
+                _check_module(self.module)
+
+
+class TargetMissing(NanhuntError):
+    """The script or module to run does not exist (a usage error, not the script's crash)."""
+
+
+def _check_module(name: str) -> None:
+    """Raise a one-line NanhuntError where ``python -m name`` would say the module is missing.
+
+    A dotted name imports its parent packages, as ``python -m`` does; call it from
+    :func:`run_target` then, so that their code runs instrumented. An ImportError raised by the
+    user's own code (a missing dependency) is theirs: it propagates and is reported as a crash.
+    """
+    import importlib.util
+
+    if not name or name.startswith("."):
+        raise TargetMissing(f"relative module names are not supported: {name!r}")
+    try:
+        spec = importlib.util.find_spec(name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and (name == missing or name.startswith(missing + ".")):
+            raise TargetMissing(f"no module named {missing}") from None
+        raise
+    if spec is None:
+        raise TargetMissing(f"no module named {name}")
+    if spec.submodule_search_locations is not None:  # a package runs its __main__
+        main = f"{name}.__main__"
+        if importlib.util.find_spec(main) is None:
+            raise TargetMissing(f"{name} is a package with no __main__")
 
 
 @dataclass
@@ -59,7 +99,10 @@ def run_target(target: Target, stop_exc: type[BaseException]) -> Outcome:
         else:
             sys.path[0] = os.getcwd()
             sys.argv[0] = "-m"  # runpy fills in the module's file
+            _check_module(str(target.module))
             runpy.run_module(str(target.module), run_name="__main__", alter_sys=True)
+    except TargetMissing:
+        raise  # not the user's failure: one line, exit 2, no report
     except stop_exc as exc:
         return Outcome("stopped", 0, exc)
     except SystemExit as exc:

@@ -37,6 +37,7 @@ __all__ = [
     "replay_optimizer",
     "save_snapshot",
     "verify",
+    "verify_optimizer",
     "why_not_verified",
     "zoom_into",
     "zoom_optimizer",
@@ -372,10 +373,14 @@ class _OptimizerOpRecorder(_OpRecorder):
         return out
 
 
-def replay_optimizer(snap: OptimizerSnapshot) -> ReplayResult:
-    """Run the copied optimizer's step on copies of its parameters under the op recorder."""
+def replay_optimizer(snap: OptimizerSnapshot, *, eps: float | None = None) -> ReplayResult:
+    """Run the copied optimizer's step on copies of its parameters under the op recorder;
+    ``eps`` replaces every param group's eps first (to check that fix)."""
     result = ReplayResult()
     optimizer = copy.deepcopy(snap.optimizer)
+    if eps is not None:
+        for group in optimizer.param_groups:
+            group["eps"] = eps
     recorder = _OptimizerOpRecorder()
     try:
         with recorder:
@@ -406,6 +411,23 @@ def zoom_optimizer(trace: Trace, snap: OptimizerSnapshot) -> None:
     src = result.first.source
     if src:
         f.source, _, f.source_line = src.partition("  ")
+
+
+def verify_optimizer(trace: Trace, snap: OptimizerSnapshot) -> None:
+    """Replay the failing optimizer step with each optimizer eps recommended."""
+    f = trace.first_failure
+    if f is None or f.phase != "optimizer" or f.step != snap.step:
+        return
+    for rec in trace.recommendations:
+        if rec.type != "eps" or rec.data.get("where") != "optimizer":
+            continue
+        r = replay_optimizer(snap, eps=float(rec.value))
+        rec.verified = r.error is None and r.first is None and r.outputs_finite
+        rec.verification = (
+            f"replayed the step-{snap.step} {snap.type}.step() on copies of its parameters, "
+            f"gradients and state with eps={float(rec.value):g}: "
+            + ("every parameter finite" if rec.verified else "still non-finite"))
+    trace.recommendations.sort(key=lambda r: not r.verified)
 
 
 def _matches(rec_module: str | None, name: str) -> bool:

@@ -78,7 +78,8 @@ class OptimizerObserver(Part):
         if self.cur.step_scaler and scaler is not None and scaler.is_enabled() and \
                 not self.s._in_scaler_step:
             self._outside_scaler_step(optimizer, scaler)
-        closure = kwargs.get("closure") is not None or (args and callable(args[0]))
+        # (args[0] is the optimizer itself: a positional closure is args[1])
+        closure = callable(kwargs.get("closure")) or (len(args) > 1 and callable(args[1]))
         if self.s.keep_tensors and self.judge.first_failure is None and not closure and \
                 self.s.optimizer_snapshot is None and self.check_params:
             self._copy_before_step(optimizer)
@@ -185,7 +186,10 @@ class OptimizerObserver(Part):
         found_inf = bool(sum(float(f) for f in found)) if found else False
         if found_inf:
             self.rec.data_for(self.s._step).applied_anyway = True
-        self.s._misuse("optimizer_outside_scaler_step", found_inf=found_inf)
+        # STEPPED: scaler.step(optimizer) already ran this step, and this is a second step
+        code = "optimizer_stepped_twice" if stage == "STEPPED" else \
+            "optimizer_outside_scaler_step"
+        self.s._misuse(code, found_inf=found_inf)
 
     def _copy_before_step(self, optimizer: Any) -> None:
         """Low-precision parameters: keep a copy of what this step reads, to replay it when it

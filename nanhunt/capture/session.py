@@ -28,6 +28,7 @@ from torch import nn
 from ..errors import NanhuntError
 from ..formats import NumberFormat, get_format
 from ..trace import (
+    Crash,
     Failure,
     LayerStats,
     LoopCall,
@@ -128,6 +129,7 @@ class Session:
         self.optimizer_snapshot: OptimizerSnapshot | None = None
         self.optimizer_infos: dict[int, OptimizerInfo] = {}  # id(optimizer) -> what it was
         self.loop_calls: dict[str, LoopCall] = {}  # misuse code -> where the user's loop did it
+        self.crash: Crash | None = None  # the script's exception, located (set by the CLI)
         self._in_scaler_step = 0  # inside GradScaler.step(): its optimizer.step() is its own
         self.failure_extra: dict[str, Any] = {}
         self.devices: set[str] = set()
@@ -405,6 +407,7 @@ class Session:
                    for e in self.internal_errors],
             optimizers=copy.deepcopy(list(self.optimizer_infos.values())),
             loop_calls=copy.deepcopy(list(self.loop_calls.values())),
+            crash=copy.deepcopy(self.crash),
         )
 
 

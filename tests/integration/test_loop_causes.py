@@ -32,6 +32,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 RUNS = {
     "outside_mlp": ["scaler_step_outside_mlp.py"],
     "outside_cnn": ["scaler_step_outside_cnn.py"],
+    "double_mlp": ["scaler_step_outside_mlp.py", "--double", "--steps", "2"],
     "clip_gru": ["scaler_clip_before_unscale_gru.py", "--steps", "2"],
     "clip_mlp": ["scaler_clip_before_unscale_mlp.py", "--steps", "2"],
     "adam_transformer": ["adam_eps_half_transformer.py"],
@@ -151,7 +152,10 @@ def test_optimizer_step_outside_scaler_step(runs, plain, key, script):
     d = r.diagnosis
     assert (d["rule"], d["kind"], d["phase"]) == ("scaler-misuse", "loss_scale", "loss_scaling")
     assert d["data"]["misuse"] == "optimizer_outside_scaler_step"
-    line = _line_of(script, "optimizer.step()")
+    lines = (SCRIPTS / script).read_text().splitlines()
+    # the script's own optimizer.step() in the bug's branch (the one after "else:")
+    line = next(i for i in range(1, len(lines)) if lines[i - 1].strip() == "else:"
+                and lines[i].strip() == "optimizer.step()") + 1
     assert d["data"]["source"].endswith(f"{script}:{line}")
     assert d["data"]["source_line"] == "optimizer.step()"
     assert "learning rate" not in json.dumps([d, r.report["warnings"]]).lower()
@@ -162,6 +166,22 @@ def test_optimizer_step_outside_scaler_step(runs, plain, key, script):
     # honest timeline: step 0's inf gradients were applied, so it was not a skipped step
     assert r.report["steps"][0]["skipped"] is False
     assert r.report["loop_calls"][0]["found_inf"] is True
+
+
+def test_optimizer_stepped_again_after_scaler_step(runs):
+    r = runs["double_mlp"]
+    assert r.code == 1
+    d = r.diagnosis
+    assert (d["rule"], d["kind"], d["data"]["misuse"]) == ("scaler-misuse", "loss_scale",
+                                                           "optimizer_stepped_twice")
+    script = "scaler_step_outside_mlp.py"
+    lines = (SCRIPTS / script).read_text().splitlines()
+    # the optimizer.step() right after scaler.step(optimizer) in the --double branch
+    line = next(i for i in range(1, len(lines)) if lines[i - 1].strip() == "scaler.step("
+                "optimizer)" and lines[i].strip() == "optimizer.step()") + 1
+    assert d["data"]["source"].endswith(f"{script}:{line}")
+    assert "remove the optimizer.step() call" in d["message"]
+    assert "learning rate" not in json.dumps([d, r.report["warnings"]]).lower()
 
 
 @pytest.mark.parametrize(("key", "script", "call"), [
@@ -223,6 +243,7 @@ def test_optimizer_eps_in_half_precision(runs, key, optim, cls):
     assert f["source"].startswith("torch/optim/")
     eps = r.rec("eps")
     assert eps["value"] == 1e-4 and eps["data"]["where"] == "optimizer"
+    assert eps["verified"], eps["verification"]  # the replayed step with eps=1e-4 is finite
     assert any("your eps 1e-08 is zero in float16" in e for e in eps["evidence"])
     assert "model.float()" in r.rec("fp32_master_weights")["snippet"]
 

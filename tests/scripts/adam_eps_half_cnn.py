@@ -4,7 +4,8 @@ A small CNN converted with model.half() and trained with torch.optim.AdamW. Grad
 ~8e-3 make v = 0.001 * grad**2 underflow to 0 in float16, where Adam's eps=1e-8 (below
 float16's smallest subnormal 5.96e-8) is 0 too: m / (sqrt(v) + eps) is m / 0 = inf, or 0 / 0 =
 NaN where the gradient itself is 0. Some weights are inf/NaN after the first optimizer step.
---optim rmsprop uses RMSprop (eps=1e-8, the same failure); --fixed eps uses eps=1e-4;
+--optim rmsprop / adagrad use RMSprop / Adagrad (eps=1e-8, the same failure); --fixed eps uses
+eps=1e-4;
 --fixed master keeps fp32 weights and trains under autocast.
 """
 
@@ -33,7 +34,7 @@ class Net(nn.Module):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--optim", choices=["adamw", "rmsprop"], default="adamw")
+    parser.add_argument("--optim", choices=["adamw", "rmsprop", "adagrad"], default="adamw")
     parser.add_argument("--fixed", choices=["eps", "master"])
     args = parser.parse_args()
 
@@ -43,8 +44,10 @@ def main():
     eps = 1e-4 if args.fixed == "eps" else 1e-8
     if args.optim == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps)
-    else:
+    elif args.optim == "rmsprop":
         optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, eps=eps)
+    else:  # Adagrad's default eps is 1e-10: 0 in float16 too
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-2, eps=eps)
     images, labels = torch.randn(64, 3, 16, 16), torch.randint(0, 10, (64,))
 
     for step in range(args.steps):

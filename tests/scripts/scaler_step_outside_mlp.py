@@ -8,6 +8,8 @@ scaler.unscale_(optimizer), clips, and then optimizer.step() itself instead of
 scaler.step(optimizer): the inf/NaN gradients of the very first step are applied and every
 weight of the first layers becomes NaN at step 0, with no large update before.
 --fixed calls scaler.step(optimizer) (clipping after unscale_, the correct order): trains.
+--double calls scaler.step(optimizer) and then optimizer.step() as well (a leftover line):
+every update is applied twice, and step 0's skipped update is applied anyway.
 """
 
 import argparse
@@ -23,6 +25,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--fixed", action="store_true")
+    parser.add_argument("--double", action="store_true")
     args = parser.parse_args()
 
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
@@ -44,6 +47,9 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
         if args.fixed:
             scaler.step(optimizer)
+        elif args.double:
+            scaler.step(optimizer)
+            optimizer.step()
         else:
             optimizer.step()
         scaler.update()

@@ -1,0 +1,212 @@
+"""The CLI's edges as a new user meets them: a fast --help, a missing module, an early Ctrl-C."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+# Runs the CLI in-process and says whether torch was imported on the way.
+_PROBE = textwrap.dedent("""
+    import sys
+    from nanhunt.cli import main
+    try:
+        code = main(sys.argv[1:])
+    except SystemExit as exc:
+        code = exc.code
+    print("TORCH" if "torch" in sys.modules else "NO-TORCH", code, file=sys.__stderr__)
+""")
+
+
+def _probe(tmp_path: Path, *args: str) -> tuple[bool, int, str]:
+    proc = subprocess.run([sys.executable, "-c", _PROBE, *args], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    verdict, code = last.split()
+    return verdict == "TORCH", int(code), proc.stderr
+
+
+@pytest.fixture(scope="module")
+def saved_report(tmp_path_factory) -> Path:
+    from nanhunt.report._example import example_trace
+
+    path = tmp_path_factory.mktemp("saved") / "report.json"
+    path.write_text(example_trace().to_json(), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("args", [
+    ["--help"], [], ["--version"], ["diagnose", "--help"], ["report", "--help"],
+    ["replay", "--help"], ["frobnicate"], ["diagnose"], ["diagnose", "--bogus", "x.py"],
+    ["diagnose", "--target", "float13", "x.py"], ["diagnose", "missing.py"],
+])
+def test_help_and_usage_errors_never_import_torch(tmp_path, args):
+    torch_loaded, code, err = _probe(tmp_path, *args)
+    assert not torch_loaded, err
+    assert code in (0, 2)
+
+
+def test_report_on_a_saved_report_never_imports_torch(tmp_path, saved_report):
+    torch_loaded, code, err = _probe(tmp_path, "report", str(saved_report), "--html",
+                                     str(tmp_path / "r.html"))
+    assert code == 0, err
+    assert not torch_loaded
+    assert (tmp_path / "r.html").stat().st_size > 1000
+
+
+def test_importing_the_package_does_not_import_torch_until_it_is_used(tmp_path):
+    code = ("import sys, nanhunt; assert 'torch' not in sys.modules; "
+            "h = nanhunt.Hunt; assert 'torch' in sys.modules; print(nanhunt.watch.__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "watch"
+
+
+def _imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_cli_and_distributed_do_not_import_each_other():
+    cli = _imports_of(ROOT / "nanhunt" / "cli.py")
+    dist = _imports_of(ROOT / "nanhunt" / "distributed.py")
+    assert not ("distributed" in cli and "cli" in dist)
+    assert "cli" not in dist  # distributed's needs (exit codes, parser) live in cli_args
+    assert "cli_args" in dist and "cli_args" in cli
+
+
+# ----------------------------------------------------------------------------- -m missing
+
+
+@pytest.mark.parametrize(("module", "message"), [
+    ("missing_mod_xyz", "no module named missing_mod_xyz"),
+    ("missing_mod_xyz.train", "no module named missing_mod_xyz"),
+    ("realpkg.nope", "no module named realpkg.nope"),
+    ("realpkg", "realpkg is a package with no __main__"),
+])
+def test_missing_module_is_a_one_line_usage_error(tmp_path, module, message):
+    (tmp_path / "realpkg").mkdir()
+    (tmp_path / "realpkg" / "__init__.py").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "-m", module],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"nanhunt: {message}"
+    assert not (tmp_path / "nanhunt-report").exists()
+
+
+def test_an_import_error_inside_the_users_module_is_still_their_crash(tmp_path):
+    (tmp_path / "brokenpkg").mkdir()
+    (tmp_path / "brokenpkg" / "__init__.py").write_text("import not_installed_dep_xyz\n")
+    (tmp_path / "brokenpkg" / "train.py").write_text("print('hi')\n")
+    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "-m", "brokenpkg.train"],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "ModuleNotFoundError: No module named 'not_installed_dep_xyz'" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- early Ctrl-C
+
+_LOOP = textwrap.dedent("""
+    import torch
+    from torch import nn
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    while True:
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+""")
+
+_SHORT = _LOOP.replace("while True:", "for _ in range(3):")
+
+
+def _interrupt_after(tmp_path: Path, script_text: str, trigger: str) -> tuple[int, list[str]]:
+    """Send SIGINT the moment the child has imported ``trigger`` (``-X importtime`` streams each
+    finished import to stderr), so that each test hits its phase on a loaded machine too."""
+    script = tmp_path / "train.py"
+    script.write_text(script_text)
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "nanhunt", "diagnose",
+                             str(script)], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("import time:") and line.rstrip().endswith(" " + trigger):
+            proc.send_signal(signal.SIGINT)
+            break
+    else:
+        proc.wait()
+        pytest.fail(f"{trigger} was never imported: {''.join(seen)[-2000:]}")
+    rest = proc.stderr.read()
+    proc.wait(timeout=120)
+    ours = [ln for ln in (*seen, *rest.splitlines(keepends=True))
+            if not ln.startswith("import time:")]
+    return proc.returncode, [ln.rstrip("\n") for ln in ours]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trigger", [
+    "nanhunt.cli",      # nanhunt itself is loaded, main has not run
+    "numpy._utils",     # in numpy's import, whose C code once swallowed the KeyboardInterrupt
+    "numpy",            # in the middle of torch's import
+    "torch.nn",         # later in torch's import
+    "nanhunt.capture",  # torch is loaded, the script has not started
+])
+def test_ctrl_c_before_the_script_starts_is_one_line_and_130(tmp_path, trigger):
+    code, err = _interrupt_after(tmp_path, _LOOP, trigger)
+    assert code == 130, err
+    assert not any("Traceback" in ln for ln in err), err
+    if (tmp_path / "nanhunt-report" / "report.json").exists():  # the script had just started
+        report = json.loads((tmp_path / "nanhunt-report" / "report.json").read_text())
+        assert report["run"]["status"] == "interrupted"
+    else:
+        assert err == ["nanhunt: interrupted"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trigger", ["nanhunt.pipeline", "nanhunt.zoom", "nanhunt.advise"])
+def test_ctrl_c_during_the_analysis_keeps_a_report(tmp_path, trigger):
+    code, err = _interrupt_after(tmp_path, _SHORT, trigger)
+    assert code == 130, err
+    assert not any("Traceback" in ln for ln in err), err
+    assert err[-1] == "nanhunt: interrupted"
+    report = json.loads((tmp_path / "nanhunt-report" / "report.json").read_text())
+    assert len(report["steps"]) == 3  # what the script ran is kept
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_fixed_early_delays(tmp_path):
+    """Wall-clock delays as a user's Ctrl-C lands, within the first second."""
+    script = tmp_path / "loop.py"
+    script.write_text(_LOOP)
+    for delay in (0.3, 0.6, 1.0):
+        out = tmp_path / f"out-{delay}"
+        proc = subprocess.Popen([sys.executable, "-m", "nanhunt", "diagnose", "--out", str(out),
+                                 str(script)], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, (delay, err)
+        assert "Traceback" not in err, (delay, err)
+        if (out / "report.json").exists():
+            assert json.loads((out / "report.json").read_text())["run"]["status"] \
+                == "interrupted"
+        else:
+            assert err.strip() == "nanhunt: interrupted", (delay, err)
