@@ -16,6 +16,7 @@ from .formats import FORMATS, get_format
 
 if TYPE_CHECKING:
     from .capture import Hunt, Sentinel, StopRun, sentinel, watch
+    from .precision import audit
 
 __all__ = [
     "FORMATS",
@@ -24,15 +25,17 @@ __all__ = [
     "Sentinel",
     "StopRun",
     "__version__",
+    "audit",
     "get_format",
     "sentinel",
     "watch",
 ]
 
-# Hunt, watch and the sentinel need torch; importing them on first use keeps `nanhunt --help`,
-# usage errors and `nanhunt report` (all torch-free) from paying torch's import time (about a
-# second).
-_LAZY = dict.fromkeys(("Hunt", "Sentinel", "StopRun", "sentinel", "watch"), "capture")
+# Hunt, watch, the sentinel and audit need torch; importing them on first use keeps
+# `nanhunt --help`, usage errors and `nanhunt report` (all torch-free) from paying torch's import
+# time (about a second).
+_LAZY = {**dict.fromkeys(("Hunt", "Sentinel", "StopRun", "sentinel", "watch"), "capture"),
+         "audit": "precision"}
 
 
 def __getattr__(name: str) -> Any:

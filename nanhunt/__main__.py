@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 try:  # a Ctrl-C while nanhunt itself loads: one line and 130, as later on
@@ -10,4 +11,5 @@ try:  # a Ctrl-C while nanhunt itself loads: one line and 130, as later on
     entry()
 except KeyboardInterrupt:
     sys.stderr.write("nanhunt: interrupted\n")
-    sys.exit(130)
+    sys.stderr.flush()
+    os._exit(130)  # nothing of the user's ran: see cli.exit_now

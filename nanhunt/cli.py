@@ -32,84 +32,13 @@ from .errors import NanhuntError
 __all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_SCRIPT_FAILED", "EXIT_USAGE",
            "entry", "main", "split_argv"]
 
+_STARTED = time.monotonic()  # the script's time to its failure is measured from here
+
 # the parser, argv splitting and exit codes live in cli_args (distributed.py needs them too)
 _diagnose_parser, _Parser, _EXIT_CODES = diagnose_parser, Parser, EXIT_CODES
 
 
 # ----------------------------------------------------------------------------- diagnose
-
-
-class _LiveLine:
-    """One status line on stderr that the script's own prints do not garble."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and sys.stderr.isatty()
-        self.text = ""
-        self._last = 0.0
-        self._stdout = sys.stdout
-
-    def update(self, rec: Any, hunt: Any) -> None:
-        if not self.enabled:
-            return
-        skipped = sum(1 for s in hunt.steps if s.skipped)
-        parts = [f"nanhunt  step {rec.index}"]
-        if rec.loss is not None:
-            parts.append(f"loss {rec.loss:.4g}")
-        if rec.scale is not None:
-            parts.append(f"scale {rec.scale:g}")
-        parts.append(f"skipped {skipped}")
-        if hunt.first_failure is not None:
-            parts.append("FAILURE FOUND")
-        self.text = "  ".join(parts)
-        now = time.monotonic()
-        if now - self._last > 0.1 or hunt.first_failure is not None:
-            self._last = now
-            self._draw()
-
-    def _draw(self) -> None:
-        sys.stderr.write("\r\x1b[2K" + self.text[: _columns() - 1])
-        sys.stderr.flush()
-
-    def clear(self) -> None:
-        if self.enabled and self.text:
-            sys.stderr.write("\r\x1b[2K")
-            sys.stderr.flush()
-
-    def __enter__(self) -> _LiveLine:
-        if self.enabled and sys.stdout.isatty():
-            sys.stdout = _ClearingWriter(sys.stdout, self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if isinstance(sys.stdout, _ClearingWriter):
-            sys.stdout = self._stdout
-        self.clear()
-
-
-class _ClearingWriter:
-    """Wraps the terminal's stdout: clears the live line before the script writes."""
-
-    def __init__(self, inner: Any, line: _LiveLine) -> None:
-        self._inner, self._line = inner, line
-
-    def write(self, s: str) -> int:
-        if self._line.text:
-            self._line.clear()
-        n = self._inner.write(s)
-        if s.endswith("\n") and self._line.text:
-            self._inner.flush()
-            self._line._draw()
-        return n
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-def _columns() -> int:
-    try:
-        return os.get_terminal_size(sys.stderr.fileno()).columns
-    except OSError:
-        return 80
 
 
 class _Terminated(BaseException):
@@ -179,6 +108,12 @@ def cmd_diagnose(argv: Sequence[str]) -> int:
             raise NanhuntError(f"{name} must be at least 1")
     if opts.mode == "sentinel" and opts.sample_every != 1:
         raise NanhuntError("--sample-every applies to --mode full only")
+    if opts.verify < 0:
+        raise NanhuntError("--verify must be 0 or more")
+    from .fixspec import parse_fix
+
+    for spec in opts.fix:
+        parse_fix(spec)  # a malformed spec is a usage error before anything runs
     from .runner import Target, TargetMissing
 
     target = Target(script=script, module=module, args=script_args)
@@ -202,6 +137,12 @@ def cmd_diagnose(argv: Sequence[str]) -> int:
             with contextlib.suppress(OSError):
                 out_dir.rmdir()
         raise
+    except Exception:
+        if ctrl_c.pressed and not _script_started:
+            # a Ctrl-C inside an import that the library turned into its own error (numpy
+            # re-raises an ImportError): it is still the user's Ctrl-C
+            raise KeyboardInterrupt from None
+        raise
     finally:
         ctrl_c.uninstall()
 
@@ -212,14 +153,25 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
 
     from .capture import Hunt, StopRun
     from .distributed import RankContext
+    from .fixes import FixMismatch, RunFixes
+    from .live import LiveLine
     from .runner import print_user_traceback, run_target
 
     ctx = RankContext.from_env(out_dir)
-    live = _LiveLine(enabled=not opts.quiet and ctx.rank == 0)
+    live = LiveLine(enabled=not opts.quiet and ctx.rank == 0)
+    fixes = RunFixes(opts.fix)
+    failed_at: list[float] = []
+
+    def on_step(rec: Any, hunt: Any) -> None:
+        live.update(rec, hunt)
+        fixes.on_step(rec)
+        if hunt.first_failure is not None and not failed_at:
+            failed_at.append(time.monotonic() - _STARTED)
+
     common = {"target": opts.target, "keep_steps": opts.keep_steps,
               "allow_inf": opts.allow_inf, "max_steps": opts.max_steps,
               # distributed: every rank stops at the same step
-              "on_step": ctx.step_hook(live.update)}
+              "on_step": ctx.step_hook(on_step)}
     if opts.mode == "sentinel":
         from .capture import Sentinel
 
@@ -239,25 +191,39 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     if ctrl_c.pressed:  # pressed during the imports and swallowed there: do not start
         raise KeyboardInterrupt
     ctrl_c.uninstall()
+    global _script_started
+    _script_started = True
+    fixes.install()  # before the session, so that nanhunt observes the fixed program
+    outcome = None
     hunt.start()
     try:
         with live:
-            outcome = run_target(target, (StopRun, _Terminated))
+            outcome = run_target(target, (StopRun, _Terminated, FixMismatch))
     finally:
         ctrl_c.install(raising=False)
         if old_term is not None and ctx.distributed:
             # torchrun sends SIGTERM to every worker once one fails: finish the report first
             signal.signal(signal.SIGTERM, ctx.defer_sigterm)
         hunt.stop()
+        mismatch = fixes.uninstall(completed=_ran_to_end(outcome))
         if old_term is not None and not ctx.distributed:
             signal.signal(signal.SIGTERM, old_term)
+    if isinstance(outcome.error, FixMismatch) or mismatch:
+        raise NanhuntError(outcome.error.message if isinstance(outcome.error, FixMismatch)
+                           else mismatch)
+    run.fixes, run.rerun = list(opts.fix), fixes.rerun
     if isinstance(outcome.error, _Terminated):
         outcome.status, outcome.exit_code = "interrupted", EXIT_TERMINATED
+    # the script's own exit status (sys.exit(n), 1 for a crash, 130/143 for signals); none when
+    # nanhunt stopped it
+    run.exit_code = None if outcome.status == "stopped" else outcome.exit_code
     run.finished = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     run.status = outcome.status if outcome.status != "exited" else "complete"
     if outcome.status == "stopped":
         run.status = "stopped"
-    if outcome.status in ("crashed", "interrupted") and outcome.error is not None:
+    if isinstance(outcome.error, _Terminated):
+        run.error = "SIGTERM"
+    elif outcome.status in ("crashed", "interrupted") and outcome.error is not None:
         run.error = f"{type(outcome.error).__name__}: {outcome.error}".strip().rstrip(":")
     if outcome.status == "crashed" and outcome.error is not None:
         from .crash import describe_crash
@@ -269,7 +235,13 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
                 f"nanhunt: first non-finite value at {hunt.first_failure.where()}")
         print_user_traceback(outcome.error)
     from .pipeline import analyse_and_report
+    from .verify import RerunConfig
 
+    rerun = RerunConfig(
+        script=target.script, module=target.module, args=list(target.args), cwd=os.getcwd(),
+        env=dict(os.environ), tries=opts.verify, max_steps=opts.max_steps,
+        options=_rerun_options(opts), quiet=opts.quiet,
+        script_seconds=round(failed_at[0] if failed_at else time.monotonic() - _STARTED, 2))
     try:
         trace = analyse_and_report(
             hunt,
@@ -279,14 +251,29 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
             ctx=ctx,
             show_all=opts.show_all,
             quiet=opts.quiet,
+            rerun=rerun,
             ctrl_c=ctrl_c,
         )
     finally:
         if old_term is not None and ctx.distributed:
             signal.signal(signal.SIGTERM, old_term)
-    code = ctx.exit_code(_exit_code(trace, outcome, opts.strict), trace)
-    run.exit_code = code
-    return code
+    return ctx.exit_code(_exit_code(trace, outcome, opts.strict), trace)
+
+
+def _ran_to_end(outcome: Any) -> bool:
+    """Whether the script ran to its end (a fix that never applied is then an error)."""
+    return outcome is not None and outcome.status in ("complete", "exited")
+
+
+def _rerun_options(opts: argparse.Namespace) -> list[str]:
+    """The options a verification re-run keeps from this run (its --fix are added to them)."""
+    out = ["--target", opts.target] if opts.target else []
+    out += ["--keep-steps", str(opts.keep_steps), "--sample-every", str(opts.sample_every)]
+    for pattern in opts.allow_inf:
+        out += ["--allow-inf", pattern]
+    for spec in opts.fix:
+        out += ["--fix", spec]
+    return out
 
 
 def _main_thread() -> bool:
@@ -364,10 +351,23 @@ def cmd_replay(argv: Sequence[str]) -> int:
 def _console() -> Any:
     from rich.console import Console
 
-    return Console(highlight=False)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich exits 1 here; a reader that stopped early (`| head`) is no error: main exits 0
+            self.quiet = True
+            raise BrokenPipeError
+
+    return _Console(highlight=False)
 
 
-_COMMANDS = {"diagnose": cmd_diagnose, "report": cmd_report, "replay": cmd_replay}
+def cmd_audit(argv: Sequence[str]) -> int:
+    from .precision.command import cmd_audit as run
+
+    return run(argv)
+
+
+_COMMANDS = {"diagnose": cmd_diagnose, "audit": cmd_audit, "report": cmd_report,
+             "replay": cmd_replay}
 
 _TOP_HELP = f"""\
 usage: nanhunt <command> [options] ...
@@ -376,6 +376,7 @@ nanhunt {__version__}: find where, why and how to fix NaN/Inf in mixed-precision
 
 commands:
   diagnose   run a training script under instrumentation and report the first failure
+  audit      measure per layer how much accuracy fp16/bf16/fp8 costs (SQNR vs float32)
   report     render a saved report.json again (terminal, --html)
   replay     re-run a culprit snapshot and print its op-level trace
 
@@ -396,8 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = _COMMANDS.get(argv[0])
     try:
         if command is None:
-            raise NanhuntError(f"unknown command {argv[0]!r} (choose from diagnose, report, "
-                               "replay)")
+            raise NanhuntError(f"unknown command {argv[0]!r} (choose from diagnose, audit, "
+                               "report, replay)")
         return command(argv[1:])
     except NanhuntError as exc:
         print(f"nanhunt: {exc}", file=sys.stderr)
@@ -407,6 +408,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the script started (imports) or after it (analysis)
         _interrupted()
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `nanhunt report r.json | head`: a reader that stopped early
+        _stdout_gone()
+        return EXIT_OK
+
+
+def _stdout_gone() -> None:
+    # what is still buffered would fail again at exit: send it nowhere (Python's own advice)
+    import os
+
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def _interrupted() -> None:
@@ -416,6 +429,11 @@ def _interrupted() -> None:
         sys.stderr.flush()
 
 
+#: the user's script has begun: from then on nanhunt exits the ordinary way (the script's atexit
+#: handlers run)
+_script_started = False
+
+
 def entry() -> None:
     """The console script: ``nanhunt ...``."""
     try:
@@ -423,4 +441,18 @@ def entry() -> None:
     except KeyboardInterrupt:  # between main's handlers: still one line, never a traceback
         _interrupted()
         code = EXIT_INTERRUPTED
+    if code == EXIT_INTERRUPTED and not _script_started:
+        exit_now(code)
     sys.exit(code)
+
+
+def exit_now(code: int) -> None:
+    """Exit with ``code`` at once. A Ctrl-C that a C extension's import code let escape can leave
+    CPython marked as killed by SIGINT, and it would then end by SIGINT (-2) after our one line
+    instead of exiting 130; nothing of the user's ran yet, so nothing is skipped."""
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

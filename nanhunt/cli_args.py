@@ -87,6 +87,12 @@ def diagnose_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no live line and no summary")
     p.add_argument("--nproc-per-node", type=int, metavar="N",
                    help="launch N processes with torch.distributed's launcher (DDP)")
+    p.add_argument("--fix", action="append", default=[], metavar="SPEC",
+                   help="install a fix from outside the script, e.g. fp32:encoder.blocks.*.wo, "
+                        "clamp:PATTERN=V, init-scale=1024 (repeatable; docs/cli.md)")
+    p.add_argument("--verify", type=int, default=4, metavar="N",
+                   help="re-run the script up to N times to verify fixes (default: "
+                        "%(default)s; 0: off)")
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module as a script")
     p.add_argument("script", nargs="?", help="the training script")
     return p
@@ -94,7 +100,7 @@ def diagnose_parser() -> argparse.ArgumentParser:
 
 #: the diagnose options that take a value: split_argv must skip the value, not stop at it
 VALUE_OPTIONS = {"--out", "--target", "--max-steps", "--allow-inf", "--sample-every",
-                 "--keep-steps", "--nproc-per-node", "--mode"}
+                 "--keep-steps", "--nproc-per-node", "--fix", "--verify", "--mode"}
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], str | None, str | None, list[str]]:

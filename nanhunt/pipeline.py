@@ -49,6 +49,9 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
     if trace.diagnosis is not None and trace.diagnosis.severity == "error":
         trace.problem = True  # e.g. a misused GradScaler before anything went non-finite
     _guard(trace, "advice", advise, trace)
+    from .remedies import attach_fixes
+
+    _guard(trace, "fix specs", attach_fixes, trace)
     if snapshot is not None:
         _guard(trace, "verification", zoom.verify, trace, snapshot)
     if optimizer_snapshot is not None:
@@ -79,11 +82,14 @@ def _promote_severe_underflow(trace: Trace) -> None:
 
 def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool = False,
                        ctx: Any = None, show_all: bool = False, quiet: bool = False,
-                       ctrl_c: Any = None) -> Trace:
-    """Build the trace from a finished session, analyse it and write every report form.
+                       rerun: Any = None, ctrl_c: Any = None) -> Trace:
+    """Build the trace from a finished session, analyse it, verify its recommendations by
+    re-running the script (``rerun``: a :class:`nanhunt.verify.RerunConfig`) and write every
+    report form.
 
     ``ctrl_c`` (the CLI's SIGINT handler: ``pressed``, ``raising``) lets a Ctrl-C cut the
-    analysis short; the report is written and KeyboardInterrupt raised after it."""
+    analysis or the verification short; the report is written and KeyboardInterrupt raised
+    after it."""
     from .report import render_terminal, write_reports
 
     try:
@@ -104,7 +110,9 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
                 ctrl_c.raising = True
             analyse(
                 trace,
-                hunt.snapshot,
+                # a verification re-run is judged by its steps and first failure: no
+                # replays, no snapshot
+                None if run.rerun else hunt.snapshot,
                 strict=strict,
                 out_dir=ctx.rank_dir(out_dir) if distributed else out_dir,
                 optimizer_snapshot=getattr(hunt, "optimizer_snapshot", None),
@@ -118,7 +126,17 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
         trace = _guard(trace, "merging ranks", ctx.merge, trace, out_dir) or trace
         if ctx.rank != 0:
             return trace
-    paths = _write(trace, out_dir, write_reports)
+    if rerun is not None and not (ctrl_c is not None and ctrl_c.pressed):
+        from .verify import verify_by_rerun
+
+        if ctrl_c is not None:
+            ctrl_c.raising = True  # Ctrl-C stops verification; it keeps what it found
+        try:
+            _guard(trace, "re-run verification", verify_by_rerun, trace, rerun, out_dir)
+        finally:
+            if ctrl_c is not None:
+                ctrl_c.raising = False
+    paths = _write(trace, out_dir, write_reports, ("json",) if run.rerun else None)
     if not quiet:
         from rich.console import Console
 
@@ -132,9 +150,10 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
     return trace
 
 
-def _write(trace: Trace, out_dir: Path, write_reports: Any) -> dict:
+def _write(trace: Trace, out_dir: Path, write_reports: Any,
+           formats: tuple[str, ...] | None = None) -> dict:
     try:
-        return write_reports(trace, out_dir)
+        return write_reports(trace, out_dir, **({"formats": formats} if formats else {}))
     except Exception as exc:
         # last resort: the JSON alone, so that nothing is lost
         print(f"nanhunt: writing the reports failed ({type(exc).__name__}: {exc}); "

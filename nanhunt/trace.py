@@ -23,12 +23,16 @@ __all__ = [
     "Crash",
     "Failure",
     "Finding",
+    "FixTry",
     "InputRange",
     "LayerStats",
     "LayerStep",
     "LoopCall",
     "OpRecord",
     "OptimizerInfo",
+    "PrecisionAudit",
+    "PrecisionLayer",
+    "PrecisionLoss",
     "RankSummary",
     "Recommendation",
     "RunInfo",
@@ -37,6 +41,7 @@ __all__ = [
     "TensorRecord",
     "TensorStats",
     "Trace",
+    "Verification",
 ]
 
 SCHEMA_VERSION = 1
@@ -261,6 +266,41 @@ class Finding:
 
 
 @dataclass
+class FixTry:
+    """One re-run of the script with fixes installed, and what it showed (re-run
+    verification; docs/report-schema.md)."""
+
+    fixes: list[str] = field(default_factory=list)  # the --fix specs installed
+    verified: bool = False
+    reason: str = ""  # what the run showed: why it counts, or why not
+    steps: int = 0  # steps the re-run ran
+    target_steps: int = 0  # steps it was to run (failure step + recovery), bounded by --max-steps
+    losses: list[float | None] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)  # steps GradScaler skipped
+    scale_first: float | None = None
+    scale_last: float | None = None
+    failure: str | None = None  # the re-run's own first failure, "step 6 / forward / wo / output"
+    failure_step: int | None = None
+    seconds: float = 0.0
+    report: str | None = None  # the re-run's report.json, relative to the report folder
+
+
+@dataclass
+class Verification:
+    """How re-run verification went for the whole report."""
+
+    tries_allowed: int = 0  # --verify N
+    tries: int = 0  # re-runs made
+    seconds: float = 0.0  # their wall time, together
+    budget_seconds: float = 0.0  # about 3x the script's time to the failure
+    script_seconds: float | None = None  # the original run's wall time to the failing step
+    target_steps: int = 0
+    interrupted: bool = False  # Ctrl-C stopped it
+    note: str = ""  # why it did not run, or its limits (distributed runs)
+    redirected: list[str] = field(default_factory=list)  # writes a re-run made, sent to scratch
+
+
+@dataclass
 class Recommendation:
     # init_scale | fp32_module | clip_grad_norm | lower_lr | eps | normalize_input | clamp |
     # fix_data
@@ -269,11 +309,17 @@ class Recommendation:
     snippet: str
     evidence: list[str] = field(default_factory=list)
     module: str | None = None
-    verified: bool = False
-    verification: str = ""  # what the replay showed, or why it was not checked
+    verified: bool = False  # a re-run of the script with the fix installed trained
+    verification: str = ""  # what showed it (re-run, replay), or why it was not verified
     # how to apply it, for the replay: clamp {"where": "output", "bound"} or {"where": "input",
     # "min"}; fp32_module {"modules", "region", "cast_to"}; see docs/rules.md
     data: dict[str, Any] = field(default_factory=dict)
+    fix: list[str] = field(default_factory=list)  # the --fix specs that install it; [] = code
+    helper: str = ""  # a function the snippet calls (renderers show each helper once)
+    check: str = ""  # how it was checked: "rerun", "replay" or "" (not checked)
+    replay: str = ""  # what replaying the culprit with the fix showed
+    code_change: bool = False  # it needs a change to the code: no --fix installs it
+    tries: list[FixTry] = field(default_factory=list)  # re-runs made for it, narrowest first
 
 
 @dataclass
@@ -328,6 +374,77 @@ class RankSummary:
 
 
 @dataclass
+class PrecisionLayer:
+    """How much one module loses in the audited format (``nanhunt audit``).
+
+    SQNR (signal-to-quantisation-noise ratio) in dB is ``10 log10(sum ref^2 / sum (x - ref)^2)``
+    over every call in the audited steps; higher is better, ``inf`` means exact.
+    """
+
+    module: str
+    type: str
+    # its output in the target against its float32 replay on float32 copies of the same inputs
+    sqnr_db: float | None = None
+    # its output in the target against a float32 run of the whole model on the same batch
+    sqnr_db_end_to_end: float | None = None
+    # gradient w.r.t. its output, target backward against float32 backward (same batch)
+    grad_sqnr_db: float | None = None
+    rank: int | None = None  # 1 = loses the most; null for a container a child explains
+    calls: int = 0
+    order: int = 0  # execution order of its first call
+    depth: int = 0  # 0 for a model called at the top level
+    leaf: bool = True  # no child modules
+    parent: str | None = None  # the module that called it (null at the top level)
+    dtype: str = ""  # dtype of its output in the target run
+    explained_by: str | None = None  # a child module that loses as much (containers only)
+    stands_out: bool = False  # loses far more than the rest (see docs/rules.md)
+    reasons: list[str] = field(default_factory=list)  # why, in numbers
+    # the numbers behind the reasons: cancellation_bits, swamping_bits, reduction_length,
+    # adds, below_normal_fraction, above_max_fraction, dynamic_range_binades, periodic_arg_max
+    data: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PrecisionLoss:
+    """The loss of one audited step computed in the target and in float32 on the same batch."""
+
+    step: int
+    target: float | None = None
+    float32: float | None = None
+
+    @property
+    def error(self) -> float | None:
+        """Relative error of the target's loss against float32's."""
+        if self.target is None or self.float32 is None:
+            return None
+        if self.float32 == 0:
+            return 0.0 if self.target == 0 else float("inf")
+        return abs(self.target - self.float32) / abs(self.float32)
+
+
+@dataclass
+class PrecisionAudit:
+    """Which layers lose accuracy in one target format; see docs/report-schema.md."""
+
+    target: str
+    # measured: the run itself computed in the target (replayed bit for bit); simulated: an
+    # fp32 run, or another format than the run's, replayed as described in ``simulation``
+    mode: str = "measured"
+    simulation: str = ""
+    steps: int = 0  # audited steps (forward + backward on one batch)
+    layers: list[PrecisionLayer] = field(default_factory=list)  # execution order
+    loss: PrecisionLoss | None = None  # the last audited step
+    loss_by_step: list[PrecisionLoss] = field(default_factory=list)
+    nominal_sqnr_db: float | None = None  # SQNR of rounding alone: 6.02 * mantissa bits + 13.8
+    threshold_db: float | None = None  # layers with sqnr_db below this stand out
+    reproduced: bool | None = None  # measured mode: the replay's loss equals the run's
+    notes: list[str] = field(default_factory=list)
+    compare: list[PrecisionAudit] = field(default_factory=list)  # --target a,b: the others
+    seconds_audit: float | None = None  # wall time of the audit's own work, per audited step
+    seconds_plain_step: float | None = None  # median warm-up step, when measured
+
+
+@dataclass
 class RunInfo:
     command: list[str] = field(default_factory=list)
     script: str = ""
@@ -351,6 +468,8 @@ class RunInfo:
     target_source: str = ""
     framework: str = ""  # "lightning 2.6.6", "transformers 5.24.0" when a callback recorded it
     mode: str = "full"  # full | sentinel: how the steps were watched
+    fixes: list[str] = field(default_factory=list)  # --fix specs installed in this run
+    rerun: bool = False  # a verification re-run (NANHUNT_RERUN=1)
 
 
 @dataclass
@@ -380,6 +499,8 @@ class Trace:
     optimizers: list[OptimizerInfo] = field(default_factory=list)
     loop_calls: list[LoopCall] = field(default_factory=list)  # misused GradScaler calls
     crash: Crash | None = None  # the script's exception, when it crashed
+    precision: PrecisionAudit | None = None  # nanhunt audit: per-layer accuracy in a format
+    verification: Verification | None = None  # re-run verification, when it ran
     schema_version: int = SCHEMA_VERSION
 
     @property

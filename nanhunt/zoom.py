@@ -269,6 +269,14 @@ def replay(snap: Snapshot, dtype: str | None = None, *, module_fix: Any = None,
     if recorder.first is None and recorder.weak is not None:
         recorder.first = recorder.weak
         recorder.weak.first_nonfinite = True
+    if snap.call_site is not None:
+        # an op of torch's own module (nn.Linear) runs in no frame of the user's: its user line
+        # is the one that called the module
+        fname, line, text = snap.call_site
+        caller = f"{fname}:{line}" + (f"  {text}" if text else "")
+        for op in recorder.ops:
+            if not op.source:
+                op.source = caller
     result.ops, result.first, result.dropped_ops = recorder.ops, recorder.first, recorder.dropped
     return result
 
@@ -439,8 +447,9 @@ def _matches(rec_module: str | None, name: str) -> bool:
 def verify(trace: Trace, snap: Snapshot) -> None:
     """Check each recommendation that a replay of the culprit can check, and say how.
 
-    A recommendation is marked verified only when a replay with the fix applied ran and came
-    out finite (and, for float32 regions, back inside the target's range after the cast back).
+    A replay with the fix applied that came out finite (and, for float32 regions, back inside
+    the target's range after the cast back) labels it "checked by replaying the culprit";
+    only a re-run of the training (nanhunt.verify) marks it verified.
     """
     fmt = get_format(trace.run.target)
     if snap.stale_inputs:
@@ -464,8 +473,18 @@ def verify(trace: Trace, snap: Snapshot) -> None:
             _verify_clamp(rec, snap)
         elif rec.type == "eps":
             _verify_eps(rec, snap)
-    # a fix the replay proved goes before those it could not (stable: relevance otherwise)
-    trace.recommendations.sort(key=lambda r: not r.verified)
+        _as_replay_check(rec)
+
+
+def _as_replay_check(rec: Any) -> None:
+    """A replay is a check of the culprit's call, not of training: never "verified"."""
+    ok, text = rec.verified, rec.verification
+    rec.verified = False
+    if not text or text.startswith("not checked"):
+        return
+    rec.replay = text
+    rec.check = "replay" if ok else ""
+    rec.verification = ("checked by replaying the culprit: " if ok else "not verified: ") + text
 
 
 def _finite(r: ReplayResult) -> bool:
@@ -479,6 +498,8 @@ def _verify_fp32(rec: Any, snap: Snapshot, fmt: Any) -> None:
         r = replay(snap, "float32")
         fits = _finite(r) and r.output_amax <= fmt.max
         rec.verified = fits
+        # cast back, it is inf again: re-run verification skips the fixes that cast it back
+        rec.data["fp32_exceeds"] = _finite(r) and r.output_amax > fmt.max
         if r.error is not None:
             outcome = f"the replay raised {r.error}"
         elif fits:

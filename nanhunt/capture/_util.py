@@ -9,6 +9,7 @@ import linecache
 import math
 import os
 import sys
+import sysconfig
 from typing import Any
 
 import torch
@@ -157,19 +158,28 @@ def _variable_name(obj: object) -> str | None:
     for k, v in vars(main).items() if main else ():
         if v is obj and not k.startswith("_"):
             return k
-    frame = sys._getframe(1)
-    while frame is not None:
-        if not frame.f_code.co_filename.startswith(_THIS_PACKAGE_DIR):
-            for k, v in frame.f_locals.items():
-                if v is obj and k != "self" and not k.startswith("_"):
-                    return k
-        frame = frame.f_back
+    # the user's own frames first: a framework's locals (Lightning's ``pl_module``) name the
+    # model only when no frame of the user's code holds it
+    for user_only in (True, False):
+        frame = sys._getframe(1)
+        while frame is not None:
+            fname = frame.f_code.co_filename
+            if not fname.startswith(_THIS_PACKAGE_DIR) and not (
+                    user_only and fname.startswith(_LIBRARY_DIRS)):
+                for k, v in frame.f_locals.items():
+                    if v is obj and k != "self" and not k.startswith("_"):
+                        return k
+            frame = frame.f_back
     return None
 
 
 # our frames are skipped when looking for the user's variables: the whole nanhunt package
 _THIS_PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__))
 _TORCH_DIR = torch.__file__.rsplit("/", 1)[0]
+#: where installed packages live (frameworks included): not the user's code
+_LIBRARY_DIRS = tuple(sorted({p for p in (sysconfig.get_paths().get("purelib"),
+                                          sysconfig.get_paths().get("platlib"),
+                                          _TORCH_DIR) if p}))
 
 
 def user_frame() -> tuple[str | None, str | None]:

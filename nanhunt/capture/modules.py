@@ -57,6 +57,8 @@ class ModuleObserver(Part):
             return  # activation-checkpoint recompute
         if not self.cur.frames:
             self.s._end_step_if_over()
+            if module.training and torch.is_grad_enabled():
+                self.cur.trains = True
         if self.s._target_auto:
             self.s._resolve_target(module)
         if not self.s._full:

@@ -70,6 +70,18 @@ class Recorder:
         self.pending_scalars.append(value.detach().reshape(-1)[:1].double())
         self.pending_scalar_keys.append((self.step, key))
 
+    def discard_step(self, step: int) -> None:
+        """Drop the rows and scalars still queued for ``step`` (no step of its own)."""
+        metas = self.metas[self.flushed:]
+        keep = [i for i, m in enumerate(metas[:len(self.pending_rows)]) if m.step != step]
+        self.pending_rows = [self.pending_rows[i] for i in keep]
+        self.metas = self.metas[:self.flushed] + [metas[i] for i in keep]
+        kept = [(v, k) for v, k in zip(self.pending_scalars, self.pending_scalar_keys)
+                if k[0] != step]
+        self.pending_scalars = [v for v, _ in kept]
+        self.pending_scalar_keys = [k for _, k in kept]
+        self.step_records.pop(step, None)
+
     def flush(self, step: int, parents: dict[int, int | None]) -> None:
         """Move every queued row to the host in one transfer and digest it; ``parents`` are
         the step's module calls (call id -> parent call id)."""

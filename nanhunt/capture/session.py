@@ -235,7 +235,14 @@ class Session:
             return
         try:
             with contextlib.suppress(StopRun):
-                self._flush()
+                if self._trailing_evaluation():
+                    # forward-only work after the last training step is no step of its own:
+                    # drop its rows, keep the last step's late ones (parameters after update)
+                    self.recorder.discard_step(self._step)
+                    self.cur.transferred = True
+                    self.recorder.flush(self._step - 1, {})
+                else:
+                    self._flush()
         finally:
             self._active = False
             self.cur.clear_handles()
@@ -249,6 +256,15 @@ class Session:
             with _LOCK:
                 if _ACTIVE is self:
                     _ACTIVE = None
+
+    def _trailing_evaluation(self) -> bool:
+        """The step in flight only evaluated (no_grad, inference_mode or eval-mode forwards, no
+        backward, no optimizer or scaler step) after training steps: not a training step."""
+        cur = self.cur
+        trained = self._step > 0 and (self._saw_optimizer or self._optimizer_exists
+                                      or self.scaler_seen)
+        return trained and not (cur.trains or cur.did_backward or cur.step_scaler
+                                or self._optimizer_ran_step == self._step)
 
     def __enter__(self) -> Session:
         return self.start()

@@ -156,6 +156,9 @@ class StepState:
         self.scaled_backward = False  # the running backward is of a GradScaler-scaled loss
         self.scaled_grad_params: set[int] = set()
         self.did_backward = False
+        # a top-level module call ran with grad enabled on a module in training mode: this step
+        # trains (an evaluation forward after the last optimizer step does not)
+        self.trains = False
         self.scaled_losses: list[weakref.ref] = []  # by identity: ids of freed ones are reused
         self.transferred = False
         self.step_scaler = False

@@ -103,7 +103,8 @@ def fmt_binades(h: float) -> str:
         return "nan"
     if math.isinf(h):
         return "—" if h > 0 else "-inf"
-    return f"{h:+.1f}"
+    # at most 5 characters: +12.4, -3.0, +127 (a float32 or bfloat16 target)
+    return f"{h:+.1f}" if abs(h) < 99.95 else f"{h:+.0f}"
 
 
 def fmt_value(value: Any) -> str:
@@ -151,6 +152,7 @@ class Verdict:
     level: str
     headline: str
     partial: str | None = None
+    note: str | None = None  # shown under the headline: "the script exited with 3"
 
 
 def has_problem(trace: Trace) -> bool:
@@ -172,10 +174,29 @@ def partial_line(trace: Trace) -> str | None:
     return f"PARTIAL REPORT ({why})"
 
 
+def exit_note(trace: Trace) -> str | None:
+    """The script's own non-zero exit status, when it ended by itself (``sys.exit(3)``)."""
+    code = trace.run.exit_code
+    if code in (None, 0) or trace.run.status not in ("complete", "exited"):
+        return None
+    return f"the script exited with {code}"
+
+
+def ran_no_step(trace: Trace) -> bool:
+    """The script ended before its first training step (its --help, an argparse error)."""
+    ran = trace.steps or trace.layers or trace.facts or trace.warnings
+    return not ran and trace.run.status != "running"
+
+
 def verdict(trace: Trace) -> Verdict:
     partial = partial_line(trace)
+    note = exit_note(trace)
     if has_problem(trace):
-        return Verdict("problem", "PROBLEM: " + _problem_text(trace) + rank_scope(trace), partial)
+        return Verdict("problem", "PROBLEM: " + _problem_text(trace) + rank_scope(trace), partial,
+                       note)
+    if ran_no_step(trace):  # nothing was checked: no OK verdict
+        ended = "exited" if trace.run.status in ("complete", "exited") else "stopped"
+        return Verdict("partial", f"the script {ended} before any training step", partial, note)
     n_warn = plural(len(trace.warnings), "warning")
     so_far = " so far" if partial else ""
     if trace.facts:
@@ -183,7 +204,7 @@ def verdict(trace: Trace) -> Verdict:
         text = f"OK{so_far}: no problem found ({benign}, see facts); {n_warn}"
     else:
         text = f"OK{so_far}: no non-finite values; {n_warn}"
-    return Verdict("partial" if partial else "ok", text, partial)
+    return Verdict("partial" if partial else "ok", text, partial, note)
 
 
 def _problem_text(trace: Trace) -> str:
@@ -346,6 +367,8 @@ class HiddenSteps:
     count: int = 0
     skipped: int = 0
     nonfinite: int = 0
+    first: int | None = None  # the first and last step index left out
+    last: int | None = None
 
     def describe(self) -> str:
         extra = [
@@ -354,6 +377,10 @@ class HiddenSteps:
             if n
         ]
         text = f"{plural(self.count, 'step')} hidden"
+        if self.first is not None and self.last is not None:
+            # the range first ("steps" is in the text already): short enough for the note column
+            extra.insert(0, f"{self.first}" if self.first == self.last
+                         else f"{self.first}–{self.last}")
         return text + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -400,6 +427,8 @@ def fold_step_list(
             hidden = HiddenSteps()
             out.append(hidden)
         hidden.count += 1
+        hidden.first = s.index if hidden.first is None else hidden.first
+        hidden.last = s.index
         hidden.skipped += s.skipped
         hidden.nonfinite += s.nonfinite
     return out
@@ -444,3 +473,59 @@ def rank_order(trace: Trace) -> list[RankSummary]:
         trace.ranks,
         key=lambda r: (r.rank != origin, r.first_failure is None, not r.answered, r.rank),
     )
+
+
+def check_label(rec: Any) -> tuple[str, str]:
+    """How a recommendation was checked, as shown everywhere: (label, level ok|warn|plain)."""
+    if rec.verified:
+        return "verified by re-run", "ok"
+    if rec.check == "replay":
+        return "checked by replaying the culprit", "warn"
+    return "not verified", "plain"
+
+
+def check_detail(rec: Any) -> str:
+    """The verification text without the label it starts with (the label is shown apart)."""
+    text = rec.verification or ""
+    for prefix in ("verified by re-run: ", "checked by replaying the culprit: ",
+                   "not verified: "):
+        if text.startswith(prefix):
+            return text[len(prefix):]
+    return text
+
+
+def fix_options(rec: Any) -> str:
+    """``--fix SPEC`` options that install the recommendation (quoted for a shell)."""
+    import shlex
+
+    return " ".join(f"--fix {shlex.quote(s)}" for s in rec.fix)
+
+
+def try_line(i: int, t: Any) -> str:
+    """One re-run of the search: what it installed and what it showed."""
+    skipped = f", skipped {len(t.skipped)}" if t.skipped else ""
+    return (f"re-run {i}: --fix {' --fix '.join(t.fixes)}: "
+            f"{'trained' if t.verified else 'did not train'}: {t.reason}"
+            + (f" ({t.seconds:g} s{skipped})" if t.seconds else ""))
+
+
+def verification_lines(trace: Trace) -> list[str]:
+    """Re-run verification for the whole report: its cost against the script's, its limits."""
+    v = trace.verification
+    if v is None:
+        return []
+    lines = []
+    if v.tries:
+        cost = f"{plural(v.tries, 're-run')} of {v.target_steps} steps at most, {v.seconds:g} s"
+        if v.script_seconds:
+            cost += (f" ({v.seconds / v.script_seconds:.1f}x the {v.script_seconds:g} s the "
+                     "script took to reach the failure)")
+        lines.append(cost)
+    if v.note:
+        lines.append(v.note)
+    if v.redirected:
+        lines.append("the re-runs' writes went to a scratch folder: " + "; ".join(v.redirected))
+    elif v.tries:
+        lines.append("re-runs ran with NANHUNT_RERUN=1 and WANDB_MODE=disabled; torch.save and "
+                     "TensorBoard/Lightning/HF writers go to a scratch folder (none was used)")
+    return lines

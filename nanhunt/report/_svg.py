@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ..formats import NumberFormat
-from ..trace import LayerStats, TensorStats
+from ..trace import Failure, LayerStats, TensorStats
 from ._common import fmt_compact, fmt_num, superscript
 
 # colours shared with the page's CSS
@@ -238,8 +238,13 @@ def nonfinite_text(stats: TensorStats | None) -> str:
     return " ".join(parts)
 
 
-def range_chart(layers: Sequence[LayerStats], fmt: NumberFormat, culprit: str | None) -> str:
-    """One row per module (execution order): forward and backward amin..amax on a log2 axis."""
+def range_chart(layers: Sequence[LayerStats], fmt: NumberFormat, culprit: str | None, *,
+                failure: Failure | None = None) -> str:
+    """One row per module (execution order): forward and backward amin..amax on a log2 axis.
+
+    The culprit's row also shows the tensor that failed (``failure.stats``: a gradient of its
+    input in a backward failure) on its phase's bar, with its non-finite count and name, when
+    the module's own statistics do not already show non-finite values there."""
     width = 1100
     label_w, right_w = 260, 96
     head, row_h = 58, 28
@@ -292,9 +297,22 @@ def range_chart(layers: Sequence[LayerStats], fmt: NumberFormat, culprit: str | 
             f'<text x="8" y="{n(y + 18)}" font-size="12" fill="{colour}"{weight} '
             f'class="mono">{esc(name)}</text>'
         )
-        parts += _bar(axis, layer.forward, y + 6, 7, FWD, "forward")
-        parts += _bar(axis, layer.backward, y + 15, 7, BWD, "backward")
-        marks = [t for t in (nonfinite_text(layer.forward), nonfinite_text(layer.backward)) if t]
+        fwd, bwd = layer.forward, layer.backward
+        failed = _failed_tensor(failure) if is_culprit else None
+        if failed is not None:
+            phase, stats, tensor = failed
+            shown = fwd if phase == "forward" else bwd
+            if shown is None or not shown.nonfinite:
+                if phase == "forward":
+                    fwd = stats
+                else:
+                    bwd = stats
+                parts.append(f"<title>{esc(tensor)}: {esc(nonfinite_text(stats))}</title>")
+        parts += _bar(axis, fwd, y + 6, 7, FWD, "forward")
+        parts += _bar(axis, bwd, y + 15, 7, BWD, "backward")
+        marks = [t for t in (nonfinite_text(fwd), nonfinite_text(bwd)) if t]
+        if failed is not None and marks and (fwd is failed[1] or bwd is failed[1]):
+            marks = [f"{nonfinite_text(failed[1])} in {failed[2]}"]
         if marks:
             parts.append(
                 f'<text x="{n(axis.x1 + 8)}" y="{n(y + 18)}" font-size="11" fill="{BAD}" '
@@ -306,6 +324,25 @@ def range_chart(layers: Sequence[LayerStats], fmt: NumberFormat, culprit: str | 
         parts += _binade_ticks(axis, body_y1, body_y1, body_y1 + 16, 16)
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _failed_tensor(failure: Failure | None) -> tuple[str, TensorStats, str] | None:
+    """(bar row, stats, tensor name) of the culprit's failing tensor, when it was recorded."""
+    if failure is None or failure.stats is None or not failure.stats.nonfinite:
+        return None
+    if failure.phase == "data":
+        return None
+    row = "forward" if failure.phase == "forward" else "backward"
+    return row, failure.stats, failure.tensor
+
+
+def empty_chart(text: str, width: int = 520) -> str:
+    """A chart-sized note where there is nothing to plot."""
+    return (
+        f'<svg class="chart empty" viewBox="0 0 {width} 60" width="100%">'
+        f'<text x="{width // 2}" y="34" text-anchor="middle" fill="{MUTED}" '
+        f'font-size="13">{esc(text)}</text></svg>'
+    )
 
 
 # ----------------------------------------------------------------------------- line charts

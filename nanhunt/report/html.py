@@ -10,15 +10,19 @@ inline SVG; the small script only adds copy buttons, table sorting and a JSON do
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 from .._version import __version__
 from ..formats import NumberFormat
 from ..trace import Failure, Finding, OpRecord, RankSummary, Recommendation, StepRecord, Trace
-from . import _svg
+from . import _precision, _svg
 from ._common import (
     HiddenSteps,
     bad_samples_text,
+    check_detail,
+    check_label,
+    fix_options,
     fmt_binades,
     fmt_compact,
     fmt_count,
@@ -34,7 +38,9 @@ from ._common import (
     ranked_warnings,
     scaler_notes,
     target_format,
+    try_line,
     verdict,
+    verification_lines,
 )
 from ._svg import esc
 
@@ -57,7 +63,7 @@ def render_html(trace: Trace) -> str:
     body = [
         _header(trace),
         '<main class="page">',
-        _verdict(trace, fmt),
+        _precision.html_verdict(trace) if _precision.is_audit(trace) else _verdict(trace, fmt),
         _nav(trace),
     ]
     if trace.first_failure is not None or trace.diagnosis is not None:
@@ -65,11 +71,15 @@ def render_html(trace: Trace) -> str:
         if trace.first_failure is not None:
             body.append(_failure(trace.first_failure, fmt))
         if trace.diagnosis is not None:
-            body.append(_diagnosis(trace.diagnosis))
+            # the verdict's lede already says the diagnosis' message: the card does not repeat it
+            body.append(_diagnosis(trace.diagnosis, message=False))
         body.append("</div>")
-    body.append(_ranges(trace, fmt))
+    if not _precision.is_audit(trace):
+        body.append(_ranges(trace, fmt))
+    if trace.precision is not None:
+        body.append(_precision.html_card(trace))
     if trace.recommendations:
-        body.append(_recommendations(trace.recommendations))
+        body.append(_recommendations(trace.recommendations, verification_lines(trace)))
     if trace.steps:
         body.append(_timeline(trace, fmt))
     if trace.first_failure is not None and _has_histogram(trace):
@@ -148,6 +158,7 @@ def _header(trace: Trace) -> str:
 def _verdict(trace: Trace, fmt: NumberFormat) -> str:
     v = verdict(trace)
     partial = f'<p class="partial">{esc(v.partial)}</p>' if v.partial else ""
+    note = f'<p class="exit-note">{esc(v.note)}</p>' if v.note else ""
     lede = ""
     if trace.diagnosis is not None:
         lede = f'<p class="lede">{esc(trace.diagnosis.message)}</p>'
@@ -179,13 +190,23 @@ def _verdict(trace: Trace, fmt: NumberFormat) -> str:
         chips.append(plural(trace.run.world_size, "rank"))
     if trace.recommendations:
         verified = sum(r.verified for r in trace.recommendations)
-        chips.append(f"{plural(len(trace.recommendations), 'fix', 'fixes')}, {verified} verified")
+        chips.append(f"{plural(len(trace.recommendations), 'fix', 'fixes')}, {verified} "
+                     "verified by re-run")
     chip_html = "".join(f'<span class="chip">{esc(c)}</span>' for c in chips)
     return (
         f'<section id="verdict" class="verdict {v.level}" data-level="{v.level}">'
-        f"{partial}<h1>{esc(v.headline)}</h1>{lede}"
+        f"{partial}<h1>{_breakable(esc(v.headline))}</h1>{note}{lede}"
         f'<div class="chips">{chip_html}</div></section>'
     )
+
+
+_NAME_DOT = re.compile(r"(?<=[A-Za-z0-9_\]])\.(?=[A-Za-z_]|\d+\.)")
+
+
+def _breakable(text: str) -> str:
+    """Escaped text whose dotted names (``encoder.blocks.1.ffn.wo``) may break after a dot, not
+    mid-name, in a narrow window (numbers such as ``6.55e+04`` keep their dot)."""
+    return _NAME_DOT.sub(".<wbr>", text)
 
 
 def _nav(trace: Trace) -> str:
@@ -194,7 +215,10 @@ def _nav(trace: Trace) -> str:
         links.append(("failure", "First failure"))
     if trace.diagnosis is not None:
         links.append(("diagnosis", "Diagnosis"))
-    links.append(("ranges", "Ranges"))
+    if not _precision.is_audit(trace):
+        links.append(("ranges", "Ranges"))
+    if trace.precision is not None:
+        links.append(("precision", "Precision"))
     for cond, id_, label in (
         (trace.recommendations, "recommendations", "Fixes"),
         (trace.steps, "timeline", "Timeline"),
@@ -304,16 +328,15 @@ def _failure(ff: Failure, fmt: NumberFormat) -> str:
     return _card("failure", "First failure", inner, cls="failure-card")
 
 
-def _diagnosis(f: Finding) -> str:
+def _diagnosis(f: Finding, *, message: bool = True) -> str:
     sev = "bad" if f.severity == "error" else "warn"
     head = (
         f'<div class="badges"><span class="badge {sev}">{esc(f.kind.replace("_", " "))}</span>'
         f'<span class="badge plain mono">{esc(f.rule)}</span></div>'
     )
     evidence = _list(f.evidence, "evidence")
-    return _card(
-        "diagnosis", "Diagnosis", f'{head}<p class="message">{esc(f.message)}</p>{evidence}'
-    )
+    text = f'<p class="message">{esc(f.message)}</p>' if message else ""
+    return _card("diagnosis", "Diagnosis", f"{head}{text}{evidence}")
 
 
 def _list(items: Sequence[str], cls: str) -> str:
@@ -345,7 +368,7 @@ def _ranges(trace: Trace, fmt: NumberFormat) -> str:
         f"magnitude on a log<sub>2</sub> axis. Right of the red line values overflow {name} to "
         "inf; in the amber zone they lose precision; in the hatched zone they flush to zero."
     )
-    chart = _svg.range_chart(trace.layers, fmt, culprit)
+    chart = _svg.range_chart(trace.layers, fmt, culprit, failure=trace.first_failure)
     return _card("ranges", title, f'{legend}<div class="chart-wrap">{chart}</div>', sub=sub)
 
 
@@ -365,7 +388,9 @@ def _timeline(trace: Trace, fmt: NumberFormat) -> str:
                 _svg.Series([(s.index, s.scale) for s in steps], colour="#7c3aed", step=True),
                 log="2",
                 **common,
-            ),
+            )
+            if trace.run.scaler or any(s.scale is not None for s in steps)
+            else _svg.empty_chart("No GradScaler in this run: there is no loss scale"),
         ),
     ]
     norms = [s.grad_norm for s in steps if s.grad_norm is not None and math.isfinite(s.grad_norm)]
@@ -508,8 +533,17 @@ def _notes(notes: Sequence[str]) -> str:
     )
 
 
-def _recommendations(recs: Sequence[Recommendation]) -> str:
+def _code_block(code: str, label: str = "copy snippet") -> str:
+    return (
+        '<div class="snippet"><button type="button" class="copy needs-js" '
+        f'aria-label="{esc(label)}">Copy</button><pre class="code"><code>'
+        f"{_highlight(code.rstrip())}</code></pre></div>"
+    )
+
+
+def _recommendations(recs: Sequence[Recommendation], notes: Sequence[str] = ()) -> str:
     cards = []
+    helpers: list[str] = []
     for i, r in enumerate(recs, 1):
         value = fmt_value(r.value)
         module = f'<code class="module">{esc(r.module)}</code>' if r.module else ""
@@ -518,25 +552,33 @@ def _recommendations(recs: Sequence[Recommendation]) -> str:
             if value and value != r.module
             else ""
         )
-        if r.verified:
-            check = '<span class="badge ok">✓ verified</span>'
-        else:
-            check = '<span class="badge plain">✗ not verified</span>'
-        verification = f'<span class="verification">{esc(r.verification)}</span>'
-        snippet = ""
-        if r.snippet:
-            snippet = (
-                '<div class="snippet"><button type="button" class="copy needs-js" '
-                f'aria-label="copy snippet">Copy</button><pre class="code"><code>'
-                f"{_highlight(r.snippet.rstrip())}</code></pre></div>"
-            )
+        label, level = check_label(r)
+        mark = "✓" if r.verified else ("~" if level == "warn" else "✗")
+        check = f'<span class="badge {level}">{mark} {esc(label)}</span>'
+        verification = f'<span class="verification">{esc(check_detail(r))}</span>'
+        fix = ""
+        if r.fix:
+            fix = (f'<p class="fix">install it without editing the script: '
+                   f"<code>nanhunt diagnose {esc(fix_options(r))} …</code></p>")
+        elif r.code_change:
+            fix = '<p class="fix">needs a code change (no --fix installs it)</p>'
+        tries = _list([try_line(k, t) for k, t in enumerate(r.tries, 1)], "evidence") \
+            if len(r.tries) > 1 or (r.tries and not r.verified) else ""
+        helper = ""
+        if r.helper and r.helper not in helpers:
+            helpers.append(r.helper)
+            helper = '<p class="fix">helper (paste once):</p>' + _code_block(r.helper,
+                                                                          "copy helper")
+        snippet = _code_block(r.snippet) if r.snippet else ""
         cards.append(
             f'<article class="rec{" verified" if r.verified else ""}">'
             f'<header><span class="num-badge">{i}</span>'
             f'<span class="badge type mono">{esc(r.type)}</span>{module}{value_html}</header>'
             f'<div class="check">{check}{verification}</div>'
-            f"{_list(r.evidence, 'evidence')}{snippet}</article>"
+            f"{_list(r.evidence, 'evidence')}{tries}{fix}{helper}{snippet}</article>"
         )
+    if notes:
+        cards.append(_list(list(notes), "facts"))
     return _card("recommendations", "Recommendations", "".join(cards))
 
 
@@ -548,7 +590,7 @@ def _modules(trace: Trace, fmt: NumberFormat) -> str:
         rows.append(
             f'<tr class="{cls}" data-order="{r.index}">'
             f'<td class="mono" data-v="{esc(r.module)}">{"▶ " if r.culprit else ""}'
-            f"{esc(r.module or '(root)')}</td>"
+            f"{_breakable(esc(r.module or '(root)'))}</td>"
             f'<td class="muted">{esc(r.type)}</td>'
             f'<td class="num" data-v="{_sortnum(r.fwd_amax)}">{esc(fmt_num(r.fwd_amax))}</td>'
             f'<td class="num" data-v="{_sortnum(r.bwd_amax)}">{esc(fmt_num(r.bwd_amax))}</td>'
@@ -785,8 +827,10 @@ border-left-width:7px;background:var(--card)}
 .verdict.ok{background:var(--ok-bg);border-color:#bbf7d0;border-left-color:var(--ok)}
 .verdict.partial{background:var(--warn-bg);border-color:#fde68a;border-left-color:var(--warn)}
 .verdict h1{margin:0;font-size:24px;line-height:1.3;letter-spacing:-.01em;
-overflow-wrap:anywhere}
+overflow-wrap:break-word}
+@media (max-width:600px){.verdict h1{font-size:20px}}
 .verdict.problem h1{color:#991b1b}.verdict.ok h1{color:#166534}.verdict.partial h1{color:#92400e}
+.verdict .exit-note{margin:4px 0 0;font-weight:700}
 .verdict .partial{margin:0 0 6px;font-weight:700;color:var(--warn);font-size:14px;
 letter-spacing:.03em}
 .verdict .lede{margin:8px 0 0;font-size:16px;max-width:70em;color:#334155}
@@ -833,6 +877,7 @@ font-weight:600;border:1px solid transparent;white-space:nowrap}
 .badge.bad{background:#fee2e2;color:#991b1b}.badge.warn{background:#fef3c7;color:#92400e}
 .badge.ok{background:#dcfce7;color:#166534}
 .badge.plain{background:#f1f5f9;color:#475569;border-color:var(--line)}
+.fix{margin:8px 0 0;color:#334155}
 .badge.type{background:#eef2ff;color:#3730a3}
 .message{margin:0 0 8px;font-size:15.5px}
 ul.evidence{margin:6px 0 0;padding-left:20px}ul.evidence li{margin:3px 0}
@@ -867,7 +912,7 @@ table.data th{text-align:left;font-weight:600;color:var(--muted);font-size:12px;
 text-transform:uppercase;letter-spacing:.05em;border-bottom:1px solid var(--line);
 padding:6px 10px;white-space:nowrap}
 table.data td{padding:5px 10px;border-bottom:1px solid #f1f5f9;vertical-align:top}
-table.data td.mono{overflow-wrap:anywhere}
+table.data td.mono{overflow-wrap:break-word}
 table.data .num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 table.data tr.culprit td{background:#fef2f2;font-weight:600}
 table.data tr.culprit td:first-child{box-shadow:inset 3px 0 0 var(--bad)}
@@ -968,6 +1013,36 @@ _JS = r"""
       setTimeout(function () { URL.revokeObjectURL(a.href); a.remove(); }, 0);
     });
   }
+
+  // a chart wider than a narrow window scrolls: open it on the culprit's bars and the max line
+  // (the left end is the subnormal zone), and say where it went (data-scrolled) for tests
+  function showCulprit() {
+    Array.prototype.forEach.call(document.querySelectorAll(".chart-wrap"), function (wrap) {
+      if (wrap.scrollWidth <= wrap.clientWidth + 1) { wrap.scrollLeft = 0; return; }
+      var box = wrap.getBoundingClientRect(), cw = wrap.clientWidth;
+      function span(selector) {
+        var lo = Infinity, hi = -Infinity;
+        Array.prototype.forEach.call(wrap.querySelectorAll(selector), function (m) {
+          var r = m.getBoundingClientRect();
+          lo = Math.min(lo, r.left - box.left + wrap.scrollLeft);
+          hi = Math.max(hi, r.right - box.left + wrap.scrollLeft);
+        });
+        return lo <= hi ? [lo, hi] : null;
+      }
+      var culprit = span("g.culprit rect.forward, g.culprit rect.backward, " +
+                         "g.culprit .nonfinite-mark");
+      var both = span("g.culprit rect.forward, g.culprit rect.backward, " +
+                      "g.culprit .nonfinite-mark, line.limit-max");
+      var s = both && (!culprit || both[1] - both[0] + 40 <= cw) ? both : culprit;
+      if (!s) { return; }
+      // the whole span when it fits, centred; else its right end (where values overflow)
+      var target = s[1] - s[0] + 40 <= cw ? (s[0] + s[1] - cw) / 2 : s[1] + 24 - cw;
+      wrap.scrollLeft = Math.max(0, Math.min(target, wrap.scrollWidth - cw));
+      wrap.setAttribute("data-scrolled", String(Math.round(wrap.scrollLeft)));
+    });
+  }
+  showCulprit();
+  window.addEventListener("resize", showCulprit);
 
   Array.prototype.forEach.call(document.querySelectorAll("table.sortable"), function (table) {
     var heads = table.querySelectorAll("th[data-sort]");

@@ -19,11 +19,15 @@ from rich.text import Text
 
 from ..formats import NumberFormat
 from ..trace import Failure, Finding, RankSummary, Recommendation, StepRecord, Trace
+from . import _precision
 from ._common import (
     HiddenSteps,
     ModuleRow,
     bad_samples_text,
+    check_detail,
+    check_label,
     first_line,
+    fix_options,
     fmt_binades,
     fmt_compact,
     fmt_num,
@@ -40,8 +44,10 @@ from ._common import (
     ranked_warnings,
     scaler_notes,
     target_format,
+    try_line,
     values_summary,
     verdict,
+    verification_lines,
 )
 
 __all__ = ["render_terminal"]
@@ -67,10 +73,13 @@ def render_terminal(
     >>> out = io.StringIO()
     >>> render_terminal(Trace(), Console(file=out, width=80, color_system=None))
     >>> out.getvalue().splitlines()[1].strip("│ ")
-    'OK: no non-finite values; 0 warnings'
+    'the script exited before any training step'
     """
     fmt = target_format(trace)
-    console.print(_verdict_panel(trace, fmt))
+    if _precision.is_audit(trace):
+        console.print(_precision.audit_panel(trace))
+    else:
+        console.print(_verdict_panel(trace, fmt))
     if trace.first_failure is not None:
         _section(console, "First failure")
         console.print(_failure(trace.first_failure, fmt))
@@ -86,10 +95,21 @@ def render_terminal(
     if trace.steps:
         _section(console, "Timeline")
         console.print(_timeline(trace, show_all))
+    if trace.precision is not None:
+        _precision.terminal_section(console, trace, show_all=show_all, max_layers=max_layers)
     if trace.recommendations:
         _section(console, "Recommendations")
+        shown: list[str] = []
         for i, rec in enumerate(trace.recommendations, 1):
-            console.print(_recommendation(i, rec))
+            group, code = _recommendation(i, rec, shown)
+            console.print(group)
+            if code:
+                # soft_wrap: code is never wrapped nor cropped, so that a pasted snippet is the
+                # snippet; a line wider than the terminal overflows it
+                console.print(_snippet(code), soft_wrap=True)
+                console.print()
+        if verification_lines(trace):
+            console.print(_bullets(verification_lines(trace), indent=0, style="dim"))
     if trace.facts:
         _section(console, "Facts (non-finite values that were not failures)")
         _facts(console, trace, show_all)
@@ -112,6 +132,8 @@ def _verdict_panel(trace: Trace, fmt: NumberFormat) -> Panel:
     if v.partial:
         body.append(v.partial + "\n", style="bold yellow")
     body.append(v.headline, style=_VERDICT_STYLE[v.level])
+    if v.note:
+        body.append("\n" + v.note, style="bold")
     facts = _run_line(trace, fmt)
     if facts:
         body.append("\n" + facts, style="dim")
@@ -214,8 +236,9 @@ def _more(console: Console, hidden: int, what: str) -> None:
 
 
 # the module table's numeric columns and their widths; "type" gets 9 to 14 columns
+# (each as wide as its longest value: fmt_num 8, fmt_binades 5, fmt_pct 5, fmt_compact 5)
 _NUMBER_COLUMNS = (("fwd\namax", 8), ("bwd\namax", 8), ("head-\nroom", 5),
-                   ("under\nflow", 5), ("nan/\ninf", 4))  # fmt: skip
+                   ("under\nflow", 5), ("nan/\ninf", 5))  # fmt: skip
 _SEPARATORS = 2 * (len(_NUMBER_COLUMNS) + 1)  # padding and divider after each column but the last
 
 
@@ -288,7 +311,9 @@ def _timeline(trace: Trace, show_all: bool) -> Table:
     table.add_column("note", overflow="fold", ratio=1)
     for item in fold_steps(trace, show_all=show_all):
         if isinstance(item, HiddenSteps):
-            table.add_row("…", "", "", "", "", Text(item.describe(), style="dim"))
+            # a mark in every column where its values sit, the text where notes start
+            mark = Text("⋮", style="dim")
+            table.add_row(mark, mark, mark, mark, mark, Text(item.describe(), style="dim"))
             continue
         s = item
         note = []
@@ -311,7 +336,7 @@ def _timeline(trace: Trace, show_all: bool) -> Table:
     return table
 
 
-def _recommendation(i: int, rec: Recommendation) -> Group:
+def _recommendation(i: int, rec: Recommendation, shown: list[str]) -> tuple[Group, str]:
     head = Text(f"{i}. ", style="bold")
     head.append(rec.type, style="bold cyan")
     value = fmt_value(rec.value)
@@ -321,14 +346,13 @@ def _recommendation(i: int, rec: Recommendation) -> Group:
     if value and value != rec.module:
         head.append(" · value ")
         head.append(value, style="bold")
-    check = (
-        Text("verified", style="bold green")
-        if rec.verified
-        else Text("not verified", style="yellow")
-    )
-    if rec.verification:
-        check.append(": " + rec.verification, style="")
-    mark = Text("✓", style="bold green") if rec.verified else Text("✗", style="yellow")
+    label, level = check_label(rec)
+    style = {"ok": "bold green", "warn": "cyan", "plain": "yellow"}[level]
+    check = Text(label, style=style)
+    detail = check_detail(rec)
+    if detail:
+        check.append(": " + detail, style="")
+    mark = Text("✓" if rec.verified else ("~" if level == "warn" else "✗"), style=style)
     status = Table.grid(padding=(0, 1))
     status.add_column(no_wrap=True)
     status.add_column(overflow="fold")
@@ -336,18 +360,39 @@ def _recommendation(i: int, rec: Recommendation) -> Group:
     parts: list[RenderableType] = [head, Padding(status, (0, 0, 0, 3))]
     if rec.evidence:
         parts.append(_bullets(rec.evidence, indent=3, style="dim"))
-    if rec.snippet:
-        code = Syntax(
-            rec.snippet.rstrip("\n"),
-            "python",
-            theme="ansi_dark",
-            background_color="default",
-            word_wrap=True,
-        )
-        parts.append(Padding(code, (1, 0, 1, 3)))
-    else:
-        parts.append(Text())
-    return Group(*parts)
+    if len(rec.tries) > 1 or (rec.tries and not rec.verified):
+        parts.append(_bullets([try_line(k, t) for k, t in enumerate(rec.tries, 1)], indent=3,
+                              style="dim"))
+    if rec.fix:
+        parts.append(Padding(Text("nanhunt diagnose " + fix_options(rec) + " ...",
+                                  style="bold"), (1, 0, 0, 3)))
+    elif rec.code_change:
+        parts.append(Padding(Text("needs a code change (no --fix installs it)", style="dim"),
+                             (1, 0, 0, 3)))
+    code = rec.snippet.rstrip("\n")
+    if rec.helper and rec.helper not in shown:
+        shown.append(rec.helper)
+        code = rec.helper.rstrip("\n") + "\n\n\n" + code
+    elif rec.helper:
+        code = f"# uses {_helper_name(rec.helper)}, shown above\n" + code
+    parts.append(Text())  # the code, if any, follows: printed by the caller (see _snippet)
+    return Group(*parts), code
+
+
+def _helper_name(helper: str) -> str:
+    for line in helper.splitlines():
+        if line.startswith("def "):
+            return line[4:].split("(")[0] + "()"
+    return "the helper"
+
+
+def _snippet(snippet: str, indent: str = "   ") -> Text:
+    """The code highlighted, each line indented, for printing with ``soft_wrap=True``."""
+    code = snippet.rstrip("\n")
+    text = Syntax(code, "python", theme="ansi_dark", background_color="default").highlight(code)
+    text.rstrip()
+    lines = text.split("\n", allow_blank=True)
+    return Text("\n").join(Text.assemble(indent, line) if line.plain else line for line in lines)
 
 
 def _facts(console: Console, trace: Trace, show_all: bool) -> None:
@@ -422,7 +467,9 @@ def _rank_timeline(steps: list[StepRecord], ff: Failure | None, show_all: bool) 
     items = fold_step_list(steps, fail_step, head=2, tail=2, notable=4, show_all=show_all)
     for item in items:
         if isinstance(item, HiddenSteps):
-            table.add_row("…", "", "", "", "", Text(item.describe(), style="dim"))
+            # a mark in every column where its values sit, the text where notes start
+            mark = Text("⋮", style="dim")
+            table.add_row(mark, mark, mark, mark, mark, Text(item.describe(), style="dim"))
             continue
         s = item
         note = "first failure" if s.index == fail_step else ("non-finite" if s.nonfinite else "")

@@ -210,3 +210,108 @@ def test_ctrl_c_at_fixed_early_delays(tmp_path):
                 == "interrupted"
         else:
             assert err.strip() == "nanhunt: interrupted", (delay, err)
+
+
+# ----------------------------------------------------------------------------- the script's exit
+
+_TRAIN_THEN_EXIT = textwrap.dedent("""
+    import sys
+    import torch
+    from torch import nn
+    model = {model}
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    sys.exit(3)
+""")
+
+_ARGPARSE = textwrap.dedent("""
+    import argparse
+    import torch
+    from torch import nn
+    p = argparse.ArgumentParser()
+    p.add_argument("--lr", type=float, required=True)
+    args = p.parse_args()
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+""")
+
+
+def _diagnose(tmp_path: Path, text: str, *args: str) -> tuple[subprocess.CompletedProcess, dict,
+                                                                  str]:
+    script = tmp_path / "train.py"
+    script.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", str(script), *args],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180)
+    out = tmp_path / "nanhunt-report"
+    report = json.loads((out / "report.json").read_text())
+    return proc, report, (out / "report.txt").read_text()
+
+
+@pytest.mark.parametrize("model", ["nn.Linear(4, 1)",
+                                   "nn.Sequential(nn.Conv1d(1, 2, 3, padding=1), nn.Flatten(), "
+                                   "nn.Linear(8, 1)).float()"])
+def test_the_scripts_own_exit_status_is_recorded_and_said(tmp_path, model):
+    text = _TRAIN_THEN_EXIT.format(model=model)
+    if "Conv1d" in model:
+        text = text.replace("torch.randn(8, 4)", "torch.randn(8, 1, 4)")
+    proc, report, txt = _diagnose(tmp_path, text)
+    assert proc.returncode == 3, proc.stderr  # nothing found: the script's code passes on
+    assert report["run"]["exit_code"] == 3
+    assert len(report["steps"]) == 3
+    banner = txt.split("╰")[0]
+    assert "the script exited with 3" in banner
+    html = (tmp_path / "nanhunt-report" / "report.html").read_text()
+    assert "the script exited with 3" in html
+
+
+def test_a_normal_end_records_exit_status_0(tmp_path):
+    proc, report, txt = _diagnose(tmp_path, _TRAIN_THEN_EXIT.format(model="nn.Linear(4, 1)")
+                                  .replace("sys.exit(3)", ""))
+    assert proc.returncode == 0, proc.stderr
+    assert report["run"]["exit_code"] == 0
+    assert "exited with" not in txt.split("╰")[0]
+    assert "OK: no non-finite values" in txt
+
+
+@pytest.mark.parametrize(("args", "code"), [(["--help"], 0), ([], 2), (["--lr", "x"], 2)])
+def test_a_script_that_runs_no_step_gets_no_ok_verdict(tmp_path, args, code):
+    proc, report, txt = _diagnose(tmp_path, _ARGPARSE, *args)
+    assert proc.returncode == code, proc.stderr
+    assert report["steps"] == []
+    assert report["run"]["exit_code"] == code
+    banner = txt.split("╰")[0]
+    assert "the script exited before any training step" in banner
+    assert "OK" not in banner
+    if code:
+        assert f"the script exited with {code}" in banner
+    html = (tmp_path / "nanhunt-report" / "report.html").read_text()
+    assert "the script exited before any training step" in html
+    assert "no non-finite values" not in html
+
+
+def test_report_into_a_closed_pipe_exits_0_quietly(tmp_path):
+    # `nanhunt report r.json | head -1`: head closes the pipe after one line
+    from nanhunt.report._example import example_trace
+    from nanhunt.trace import StepRecord
+
+    trace = example_trace()
+    trace.steps += [StepRecord(i, loss=1.0) for i in range(len(trace.steps), 3000)]
+    saved = tmp_path / "report.json"
+    saved.write_text(trace.to_json(), encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, "-m", "nanhunt", "report", str(saved), "--all"],
+                            cwd=tmp_path, env=dict(ENV, COLUMNS="80"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # far more than a pipe holds is still to come
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert first.startswith("╭".encode())
+    assert proc.returncode == 0, err
+    assert err == ""

@@ -32,7 +32,7 @@ def reports(tmp_path_factory):
 
 def _diagnose(run_cli, reports, script):
     if script not in reports:
-        res = run_cli("diagnose", "--quiet", str(EXAMPLES / script))
+        res = run_cli("diagnose", "--quiet", str(EXAMPLES / script), verify=True)
         assert res.code == 1, res.stderr
         reports[script] = res.report
     return reports[script]
@@ -80,6 +80,19 @@ def _paste_after(source: str, anchor: str, snippet: str) -> str:
     return "\n".join(lines[:first_import] + imports + lines[first_import:]) + "\n"
 
 
+def _apply_line_edit(source: str, snippet: str) -> str:
+    """A floor snippet names the line (``# file.py:27: <line>``) and ends with its edit."""
+    lines = snippet.splitlines()
+    original, edited = lines[0].split(": ", 1)[1].strip(), lines[-1].strip()
+    out = []
+    for line in source.splitlines():
+        if line.strip() == original:
+            line = line[: len(line) - len(line.lstrip())] + edited
+        out.append(line)
+    assert out != source.splitlines(), original
+    return "\n".join(out) + "\n"
+
+
 @pytest.mark.parametrize(("script", "rec_type", "anchor"), [
     ("ffn_overflow.py", "fp32_module", "optimizer = "),
     ("log_zero_loss.py", "clamp", "optimizer = "),
@@ -90,7 +103,11 @@ def test_applying_the_snippet_makes_the_run_finite(run_cli, reports, tmp_path, s
     report = _diagnose(run_cli, reports, script)
     rec = next(r for r in report["recommendations"] if r["type"] == rec_type)
     fixed = tmp_path / script
-    fixed.write_text(_paste_after((EXAMPLES / script).read_text(), anchor, rec["snippet"]))
+    source = (EXAMPLES / script).read_text()
+    if rec["snippet"].startswith("# ") and rec["fix"][0].startswith("floor:"):
+        fixed.write_text(_apply_line_edit(source, rec["snippet"]))  # an edit of one line
+    else:
+        fixed.write_text(_paste_after(source, anchor, rec["helper"] + "\n" + rec["snippet"]))
     res = run_cli("diagnose", "--quiet", str(fixed))
     assert res.code == 0, (res.stderr, fixed.read_text())
     assert res.report["first_failure"] is None

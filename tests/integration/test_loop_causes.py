@@ -91,8 +91,10 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         cwd = base / key
         cwd.mkdir()
         proc = subprocess.run(
-            [sys.executable, "-m", "nanhunt", "diagnose", "--quiet", str(SCRIPTS / script),
-             *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=_env())
+            # --verify 0: re-run verification is tested in test_verify_rerun.py
+            [sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--verify", "0",
+             str(SCRIPTS / script), *args],
+            cwd=cwd, capture_output=True, text=True, timeout=600, env=_env())
         return Run(proc, cwd / "nanhunt-report")
 
     # the runs wait on imports and the shared machine more than they compute: overlap them

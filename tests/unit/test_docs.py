@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
@@ -15,14 +17,15 @@ def _runnable_blocks(text: str) -> list[str]:
     return [b for b in blocks if "import nanhunt" in b and "# " in b and "..." not in b]
 
 
-def test_api_examples_print_what_they_promise(tmp_path):
+@pytest.mark.parametrize("index", [0, 1, 2])  # watch(), audit(), sentinel()
+def test_api_example_prints_what_it_promises(tmp_path, index):
     blocks = _runnable_blocks((DOCS / "api.md").read_text())
-    assert len(blocks) == 2  # watch, sentinel
-    for i, block in enumerate(blocks):
-        expected = [m.group(1).strip() for m in re.finditer(r"print\(.*\)\s+# (.*)", block)]
-        script = tmp_path / f"example{i}.py"
-        script.write_text(block)
-        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                             timeout=120)
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.strip().splitlines() == expected
+    assert len(blocks) == 3
+    block = blocks[index]
+    expected = [m.group(1).strip() for m in re.finditer(r"print\(.*\)\s+# (.*)", block)]
+    script = tmp_path / "example.py"
+    script.write_text(block)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines() == expected

@@ -271,8 +271,9 @@ def test_empty_trace():
     page = render_html(Trace())
     p = parse(page)
     (verdict,) = [a for t, a in p.tags if a.get("id") == "verdict"]
-    assert verdict["data-level"] == "ok"
-    assert "OK: no non-finite values; 0 warnings" in page
+    assert verdict["data-level"] == "partial"  # nothing was checked: no OK verdict
+    assert "the script exited before any training step" in page
+    assert "OK: no non-finite values" not in page
     assert "No module statistics were recorded." in page
     assert not p.with_class("g", "range-row")
 
@@ -301,8 +302,9 @@ def test_recommendations_have_copyable_snippets():
     text = "".join(p.text)
     for rec in trace.recommendations:
         assert rec.snippet in text  # highlighting adds spans, never changes the text
-    assert "✓ verified" in text
+    assert "✓ verified by re-run" in text
     assert "✗ not verified" in text
+    assert "--fix 'fp32:encoder.blocks.*.ffn.wo..norm'" in text
 
 
 def test_modules_table_is_worst_first_and_ops_table_marks_first_nonfinite():

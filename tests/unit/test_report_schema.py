@@ -13,9 +13,13 @@ from nanhunt.trace import (
     SCHEMA_VERSION,
     Failure,
     Finding,
+    FixTry,
     LayerStats,
     LayerStep,
     OpRecord,
+    PrecisionAudit,
+    PrecisionLayer,
+    PrecisionLoss,
     RankSummary,
     Recommendation,
     RunInfo,
@@ -23,6 +27,7 @@ from nanhunt.trace import (
     StepRecord,
     TensorStats,
     Trace,
+    Verification,
 )
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "report-schema.md"
@@ -39,6 +44,11 @@ SECTIONS = {
     Recommendation: "Recommendation",
     OpRecord: "OpRecord",
     RankSummary: "RankSummary",
+    PrecisionAudit: "PrecisionAudit",
+    PrecisionLayer: "PrecisionLayer",
+    PrecisionLoss: "PrecisionLoss",
+    FixTry: "FixTry",
+    Verification: "Verification",
 }
 
 

@@ -110,7 +110,7 @@ def test_ok_verdict_mentions_facts():
     ],
 )
 def test_partial_runs_say_so_first(status, error, expected):
-    trace = Trace(run=RunInfo(status=status, error=error))
+    trace = Trace(run=RunInfo(status=status, error=error), steps=[StepRecord(0, loss=1.0)])
     text = text_of(render(trace, width=100))
     assert expected in text
     assert "OK so far: no non-finite values" in text
@@ -249,9 +249,10 @@ def test_timeline_marks_failure_and_scaler_backoff():
 def test_recommendations_show_type_verification_and_snippet():
     text = text_of(render(example_trace()))
     assert "1. fp32_module · encoder.blocks.*.ffn.wo" in text
-    assert "✓ verified: replayed step 3" in text
+    assert "✓ verified by re-run: 9 steps" in text
+    assert "nanhunt diagnose --fix 'fp32:encoder.blocks.*.ffn.wo..norm' ..." in text
     assert "2. init_scale · value 4096 (2^12)" in text
-    assert "✗ not verified: not replayed" in text
+    assert "✗ not verified: not re-run (another fix was verified first)" in text
     assert 'scaler = torch.amp.GradScaler("cuda", init_scale=4096.0)' in text
     assert "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)" in text
     lines = text.splitlines()
@@ -417,7 +418,11 @@ def hostile_trace() -> Trace:
 def test_no_line_is_longer_than_80_columns(show_all):
     for trace in (example_trace(), hostile_trace(), Trace()):
         lines = render(trace, show_all=show_all)
-        assert max(len(line) for line in lines) <= 80
+        # code is the exception: never wrapped, so that a copied snippet is the snippet
+        code = {"   " + ln for r in trace.recommendations for ln in r.snippet.splitlines()}
+        assert max(len(line) for line in lines if line.rstrip() not in code) <= 80
+    long_call = hostile_trace().recommendations[0].snippet
+    assert "   " + long_call in render(hostile_trace())  # whole, on one line
 
 
 def test_user_strings_are_not_rich_markup():
@@ -454,9 +459,35 @@ def test_non_finite_and_missing_stats_render():
 
 
 def test_empty_trace():
-    lines = render(Trace())
-    assert "OK: no non-finite values; 0 warnings" in lines[1]
+    lines = render(Trace())  # nothing ran: no OK verdict
+    assert "the script exited before any training step" in lines[1]
+    assert "OK" not in text_of(lines)
     assert len(lines) == 4  # the panel only
+
+
+@pytest.mark.parametrize(("status", "code", "expected"), [
+    ("complete", 0, ["the script exited before any training step"]),
+    ("complete", 2, ["the script exited before any training step", "the script exited with 2"]),
+    ("crashed", 1, ["PARTIAL REPORT (script crashed: ValueError: x)",
+                    "the script stopped before any training step"]),
+])
+def test_a_run_with_no_step_says_so(status, code, expected):
+    trace = Trace(run=RunInfo(status=status, exit_code=code,
+                              error="ValueError: x" if status == "crashed" else None))
+    text = text_of(render(trace))
+    for line in expected:
+        assert line in text
+    assert "OK" not in text
+    assert "exited with 1" not in text  # a crash is said by the partial line
+
+
+def test_the_scripts_exit_status_is_said_under_an_ok_verdict():
+    trace = Trace(run=RunInfo(exit_code=3), steps=[StepRecord(0, loss=1.0)])
+    lines = [ln.strip("│ ") for ln in render(trace)]
+    assert lines[1] == "OK: no non-finite values; 0 warnings"
+    assert lines[2] == "the script exited with 3"
+    trace.run.exit_code = 0
+    assert "exited with" not in text_of(render(trace))
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -515,11 +546,11 @@ def test_timeline_caps_notable_steps():
     assert sum(h.count for h in hidden) == 1000 - len(shown)
     assert sum(h.skipped for h in hidden) == 100 - 2
     assert [h.describe() for h in hidden] == [
-        "2 steps hidden",
-        "9 steps hidden",
-        "884 steps hidden (88 skipped)",
-        "96 steps hidden (10 skipped)",
+        "2 steps hidden (3–4)",
+        "9 steps hidden (6–14)",
+        "884 steps hidden (16–899, 88 skipped)",
+        "96 steps hidden (901–996, 10 skipped)",
     ]
     lines = render(trace)
     assert len(lines) < 80  # the default keeps 24 notable steps
-    assert any(line.strip().startswith("…") and "skipped)" in line for line in lines)
+    assert any(line.strip().startswith("⋮") and "skipped)" in line for line in lines)

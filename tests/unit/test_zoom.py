@@ -47,7 +47,9 @@ def test_forward_op_and_source_line_of_a_log_of_zero():
     assert "torch.log(picked)" in trace.first_failure.source_line
     assert trace.diagnosis.kind == "nan_op"
     clamp = next(r for r in trace.recommendations if r.type == "clamp")
-    assert clamp.verified, clamp.verification
+    # a replay checks the culprit's call, not training: "checked", never "verified"
+    assert clamp.check == "replay" and not clamp.verified, clamp.verification
+    assert clamp.verification.startswith("checked by replaying the culprit: ")
 
 
 def test_backward_op_is_traced_to_the_forward_line():
@@ -102,7 +104,9 @@ def test_float32_verification_depends_on_the_replay(scale, fits):
     assert (r32.output_amax <= 65504) is fits
     trace = analyse(hunt.trace(), snap)
     rec = next(r for r in trace.recommendations if r.type == "fp32_module")
-    assert rec.verified is fits, rec.verification
+    assert (rec.check == "replay") is fits, rec.verification
+    assert not rec.verified
+    assert rec.data["fp32_exceeds"] is not fits
 
 
 def test_snapshot_round_trip_and_replay_output(tmp_path):

@@ -1,0 +1,79 @@
+"""A process that imports torch and nanhunt once, then forks a fresh child for each re-run.
+
+Importing torch (and the ``torch._dynamo`` that the first optimizer pulls in) costs more than a
+small script's training steps; re-run verification runs the script up to ``--verify N`` times,
+so it starts this server once (``python -m nanhunt._forkserver``, single-threaded after its
+imports, so forking is safe) and asks it for each re-run. Protocol, one JSON line each way:
+``{"ready"}`` once its imports are done, then for each request ``{"argv", "cwd", "env",
+"log"}`` the answers ``{"pid"}`` (forked) and
+``{"pid", "code"}`` (the child's exit status). The child is ``nanhunt diagnose`` with its
+stdout and stderr in ``log``; the server ignores Ctrl-C (the child, in the same process group,
+gets it and writes its report).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import signal
+import sys
+import traceback
+
+__all__ = ["serve"]
+
+
+def _child(request: dict) -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    from nanhunt.cli import main
+
+    try:
+        return main(request["argv"])
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        return 3
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def serve() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # what every re-run would import again; the first optimizer imports torch._dynamo
+    for name in ("torch", "torch._dynamo", "nanhunt.cli", "nanhunt.fixes", "nanhunt.pipeline",
+                 "nanhunt.sandbox"):
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    out = sys.stdout
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        out.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                code = _child(request)
+            finally:
+                os._exit(code if isinstance(code, int) else 1)
+        out.write(json.dumps({"pid": pid}) + "\n")
+        out.flush()
+        _, status = os.waitpid(pid, 0)
+        out.write(json.dumps({"pid": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    serve()

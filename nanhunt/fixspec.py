@@ -1,0 +1,409 @@
+"""Fixes as data: the ``--fix`` spec language and the snippet each spec stands for. Torch-free.
+
+A spec names one change a user could make to their training script::
+
+    fp32:PATTERN[,PATTERN...]   run these modules in float32 (autocast off, inputs cast up),
+                                each output cast back to the half-precision dtype
+    fp32:START[,...]..END[,...] a float32 region: START's modules keep a float32 output, which
+                                runs on (by type promotion) to END's modules, cast back there;
+                                ``fp32:START..`` keeps the output float32 (no cast back)
+    clamp:PATTERN=VALUE         clamp these modules' outputs to [-VALUE, VALUE]
+    floor:PATTERN:OP=VALUE      inside these modules, floor OP's input at VALUE
+                                (OP: log, log2, log10, sqrt, rsqrt, reciprocal, div, pow)
+    eps:PATTERN=VALUE           set these normalisation modules' eps (eps, variance_epsilon,
+                                epsilon attributes)
+    opt-eps=VALUE               every optimizer's eps
+    init-scale=VALUE            GradScaler's init_scale
+    growth-interval=N           GradScaler's growth_interval
+    clip=MAX_NORM               clip_grad_norm_ after unscale_, before each optimizer step
+    lr-factor=F                 multiply every optimizer's learning rate by F
+    fp32-master                 float32 master weights for a half-precision model
+
+PATTERN is a glob over qualified module names (``fnmatch``: ``*`` also spans dots). The snippet
+(:func:`snippet`) is the same change written as code the user pastes; nanhunt.fixes installs the
+spec from outside the script, and tests check that both give the same losses.
+
+>>> str(parse_fix("fp32:encoder.blocks.*.ffn.wo..norm"))
+'fp32:encoder.blocks.*.ffn.wo..norm'
+>>> parse_fix("floor:norm:sqrt=6.1e-5").value
+6.1e-05
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import linecache
+import math
+import re
+from dataclasses import dataclass, field
+
+from .errors import NanhuntError
+
+__all__ = [
+    "FLOOR_OPS",
+    "MODULE_KINDS",
+    "FixSpec",
+    "Snippet",
+    "SnippetContext",
+    "parse_fix",
+    "snippet",
+]
+
+#: ops whose input a floor keeps at or above a value (div: the denominator)
+FLOOR_OPS = ("log", "log2", "log10", "sqrt", "rsqrt", "reciprocal", "div", "pow")
+#: kinds that name modules by a pattern
+MODULE_KINDS = ("fp32", "clamp", "floor", "eps")
+_VALUE_KINDS = ("opt-eps", "init-scale", "growth-interval", "clip", "lr-factor")
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+
+
+@dataclass(frozen=True)
+class FixSpec:
+    """One parsed ``--fix``; ``str(spec)`` gives it back in canonical form."""
+
+    kind: str
+    patterns: tuple[str, ...] = ()  # fp32: the region's START patterns, then its END patterns
+    value: float | None = None
+    op: str | None = None
+    ends: int = 0  # fp32: how many of ``patterns`` (the last ones) are END patterns
+
+    @property
+    def starts(self) -> tuple[str, ...]:
+        return self.patterns[: len(self.patterns) - self.ends]
+
+    def __str__(self) -> str:
+        if self.kind == "fp32":
+            ends = ",".join(self.patterns[len(self.starts):])
+            return "fp32:" + (",".join(self.starts) + ".." if self.starts else "") + ends
+        if self.kind in ("clamp", "eps"):
+            return f"{self.kind}:{self.patterns[0]}={number(self.value)}"
+        if self.kind == "floor":
+            return f"floor:{self.patterns[0]}:{self.op}={number(self.value)}"
+        if self.kind == "fp32-master":
+            return "fp32-master"
+        return f"{self.kind}={number(self.value)}"
+
+
+def number(value: float | None) -> str:
+    """A value as short as it reads back exactly: ``65536``, ``6.103515625e-05``, ``0.1``."""
+    if value is None:
+        return ""
+    if float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return repr(float(value))
+
+
+def _value(text: str, spec: str, *, positive: bool = True) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise NanhuntError(f"--fix {spec}: {text!r} is not a number") from None
+    if not math.isfinite(v) or (positive and v <= 0):
+        raise NanhuntError(f"--fix {spec}: the value must be a positive finite number")
+    return v
+
+
+def parse_fix(text: str) -> FixSpec:
+    """Parse one ``--fix`` spec; a malformed one raises :class:`NanhuntError` (exit 2)."""
+    spec = text.strip()
+    if spec == "fp32-master":
+        return FixSpec("fp32-master")
+    kind, sep, rest = spec.partition(":")
+    if sep and kind in MODULE_KINDS:
+        if kind == "fp32":
+            start, dots, end = rest.rpartition("..")
+            starts = tuple(p.strip() for p in start.split(",")) if dots else ()
+            ends = tuple(p.strip() for p in end.split(",")) if end or not dots else ()
+            if not all(starts + ends) or not (starts + ends):
+                raise NanhuntError(f"--fix {spec}: give module name patterns (fp32:PATTERN, "
+                                   "fp32:START..END)")
+            return FixSpec("fp32", starts + ends, ends=len(ends))
+        target, eq, value = rest.rpartition("=")
+        if not eq or not target:
+            raise NanhuntError(f"--fix {spec}: expected {kind}:PATTERN"
+                               + (":OP" if kind == "floor" else "") + "=VALUE")
+        if kind == "floor":
+            pattern, colon, op = target.rpartition(":")
+            if not colon or not pattern:
+                raise NanhuntError(f"--fix {spec}: expected floor:PATTERN:OP=VALUE")
+            if op not in FLOOR_OPS:
+                raise NanhuntError(f"--fix {spec}: unknown op {op!r} (choose from "
+                                   f"{', '.join(FLOOR_OPS)})")
+            return FixSpec("floor", (pattern,), _value(value, spec), op)
+        return FixSpec(kind, (target,), _value(value, spec))
+    name, eq, value = spec.partition("=")
+    if eq and name in _VALUE_KINDS:
+        v = _value(value, spec)
+        if name == "growth-interval" and not v.is_integer():
+            raise NanhuntError(f"--fix {spec}: growth-interval is a whole number of steps")
+        return FixSpec(name, (), v)
+    raise NanhuntError(
+        f"--fix {spec}: unknown fix (fp32:PATTERN, clamp:PATTERN=V, floor:PATTERN:OP=V, "
+        "eps:PATTERN=V, opt-eps=V, init-scale=V, growth-interval=N, clip=V, lr-factor=F, "
+        "fp32-master)")
+
+
+# ----------------------------------------------------------------------------- snippets
+
+
+@dataclass
+class SnippetContext:
+    """What a snippet needs to know about the user's script.
+
+    ``device``: the autocast device type; ``low``: the half-precision dtype outputs are cast
+    back to (``torch.float16``) or None when the module did not run in one; ``scaler``: the
+    loop uses a GradScaler; ``refs`` maps a root that is not the model (``criterion``) to the
+    variable the user calls it by; ``source``/``source_line``: where the op to floor is called.
+    """
+
+    device: str = "cuda"
+    low: str | None = "float16"
+    scaler: bool = False
+    refs: dict[str, str] = field(default_factory=dict)
+    source: str | None = None
+    source_line: str | None = None
+
+
+@dataclass
+class Snippet:
+    code: str  # what the user pastes at the call site
+    helper: str = ""  # a function the code calls, shown once however many snippets use it
+
+
+def _q(s: str) -> str:
+    return json.dumps(s)
+
+
+def _root(pattern: str, ctx: SnippetContext) -> tuple[str, str]:
+    """The variable holding the modules a pattern names and the pattern inside it."""
+    head, _, tail = pattern.partition(".")
+    if head in ctx.refs:
+        return ctx.refs[head], tail
+    return "model", pattern
+
+
+FP32_HELPER = '''\
+import fnmatch
+
+import torch
+
+
+def _cast(x, dtype):
+    floating = torch.is_tensor(x) and x.is_floating_point()
+    return x.to(dtype) if floating else x
+
+
+def run_in_float32(model, pattern, cast_back=None, device="{device}"):
+    """Run submodules named like `pattern` (not those inside one) in float32
+    with autocast off; cast a tensor output to `cast_back` (None: float32)."""
+    names = [n for n, _ in model.named_modules()
+             if fnmatch.fnmatchcase(n, pattern)]
+    for name in names:
+        if any(name.startswith(outer + ".") for outer in names):
+            continue  # already inside a float32 module
+        module = model.get_submodule(name).float()
+
+        def forward(*args, _forward=module.forward, **kwargs):
+            args = [_cast(a, torch.float32) for a in args]
+            kwargs = {{k: _cast(v, torch.float32) for k, v in kwargs.items()}}
+            with torch.autocast(device, enabled=False):
+                out = _forward(*args, **kwargs)
+            if cast_back is None:
+                return out
+            if type(out) is tuple:
+                return tuple(_cast(o, cast_back) for o in out)
+            return _cast(out, cast_back)
+
+        module.forward = forward
+'''
+
+FP32_MASTER_HELPER = '''\
+import torch
+
+
+def step_with_fp32_master(optimizer, masters):
+    """optimizer.step() on float32 copies of half-precision weights
+    (`masters` keeps the copies between steps)."""
+    swapped = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None or p.dtype == torch.float32:
+                continue
+            master = masters.setdefault(p, p.detach().float())
+            half, grad = p.data, p.grad
+            p.grad = None
+            p.data = master
+            p.grad = grad.float()
+            swapped.append((p, half, grad))
+    optimizer.step()
+    for p, half, grad in swapped:
+        half.copy_(p.data)
+        p.grad = None
+        p.data = half
+        p.grad = grad
+'''
+
+
+def snippet(specs: list[FixSpec], ctx: SnippetContext) -> Snippet:
+    """The code that makes the same change as installing ``specs``."""
+    parts: list[Snippet] = [_one(s, ctx) for s in specs]
+    code = "\n".join(p.code for p in parts)
+    imports = sorted({ln for p in parts for ln in p.code.splitlines()
+                      if ln.startswith(("import ", "from "))})
+    body = [ln for ln in code.splitlines() if not ln.startswith(("import ", "from "))]
+    while body and not body[0].strip():
+        body.pop(0)
+    code = "\n".join([*imports, "", *body] if imports else body)
+    helpers = []
+    for p in parts:
+        if p.helper and p.helper not in helpers:
+            helpers.append(p.helper)
+    return Snippet(code, "\n\n".join(helpers))
+
+
+def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
+    v = number(spec.value)
+    if spec.kind == "fp32":
+        lines = []
+        for i, pattern in enumerate(spec.patterns):
+            ref, rel = _root(pattern, ctx)
+            last = i >= len(spec.starts)
+            if last and ctx.low:
+                lines.append(f"run_in_float32({ref}, {_q(rel)}, cast_back=torch.{ctx.low})")
+            elif last:
+                lines.append(f"run_in_float32({ref}, {_q(rel)})")
+            elif spec.ends:
+                lines.append(f"run_in_float32({ref}, {_q(rel)})  # float32 onward")
+            else:
+                lines.append(f"run_in_float32({ref}, {_q(rel)})  # its output stays float32")
+        head = ["import torch", ""] if ctx.low else []
+        return Snippet("\n".join(head + lines), FP32_HELPER.format(device=ctx.device))
+    if spec.kind == "clamp":
+        ref, rel = _root(spec.patterns[0], ctx)
+        return Snippet("\n".join([
+            "import fnmatch",
+            "",
+            f"for name, module in {ref}.named_modules():",
+            f"    if fnmatch.fnmatchcase(name, {_q(rel)}):",
+            f"        module.register_forward_hook(lambda m, a, out: out.clamp(-{v}, {v}))",
+        ]))
+    if spec.kind == "eps":
+        ref, rel = _root(spec.patterns[0], ctx)
+        return Snippet("\n".join([
+            "import fnmatch",
+            "",
+            f"for name, module in {ref}.named_modules():",
+            f"    if fnmatch.fnmatchcase(name, {_q(rel)}):",
+            "        for attr in (" + ", ".join(_q(a) for a in _EPS_ATTRS) + "):",
+            "            if hasattr(module, attr):",
+            f"                setattr(module, attr, {v})",
+        ]))
+    if spec.kind == "floor":
+        return Snippet(_floor_snippet(spec, ctx))
+    if spec.kind == "opt-eps":
+        return Snippet(f'for group in optimizer.param_groups:\n    group["eps"] = {v}')
+    if spec.kind == "lr-factor":
+        return Snippet(f'for group in optimizer.param_groups:\n    group["lr"] *= {v}')
+    if spec.kind in ("init-scale", "growth-interval"):
+        arg = "init_scale" if spec.kind == "init-scale" else "growth_interval"
+        return Snippet(f'scaler = torch.amp.GradScaler("{ctx.device}", {arg}={v})'
+                       "  # keep your other arguments")
+    if spec.kind == "clip":
+        lines = ["import torch", ""]
+        if ctx.scaler:
+            lines.append("scaler.unscale_(optimizer)  # before scaler.step(optimizer)")
+        lines += [
+            "params = [p for group in optimizer.param_groups for p in group[\"params\"]]",
+            f"torch.nn.utils.clip_grad_norm_(params, max_norm={v})"
+            + ("" if ctx.scaler else "  # before optimizer.step()"),
+        ]
+        return Snippet("\n".join(lines))
+    if spec.kind == "fp32-master":
+        return Snippet("masters = {}  # once, after the optimizer is made\n"
+                       "step_with_fp32_master(optimizer, masters)  # instead of optimizer.step()",
+                       FP32_MASTER_HELPER)
+    raise NanhuntError(f"no snippet for --fix {spec}")
+
+
+def _floor_snippet(spec: FixSpec, ctx: SnippetContext) -> str:
+    """The source line with the op's input floored, or a template of it."""
+    op, v = spec.op or "", number(spec.value)
+    short = ctx.source.replace("\\", "/").rsplit("/", 1)[-1] if ctx.source else None
+    where = f"# {short}: " if short else f"# in {spec.patterns[0]}: "
+    line = (ctx.source_line or "").strip()
+    edited = _edit_line(line, op, v) if line else None
+    if edited is not None and re.match(r"(return|yield)\b", edited):
+        head = _enclosing_def(ctx.source)  # `return` needs its function to be valid code
+        if head is not None:
+            return f"{where}{line}\n{head}\n    ...  # the lines before, unchanged\n    {edited}"
+    if edited is not None:
+        return f"{where}{line}\n{edited}"
+    template = {
+        "div": f"y = a / b.clamp_min({v})  # b >= 0",
+        "pow": f"y = x.clamp_min({v}) ** p",
+    }.get(op, f"y = torch.{op}(x.clamp_min({v}))")
+    return where.rstrip() + f" {op}\n{template}"
+
+
+def _enclosing_def(source: str | None) -> str | None:
+    """The ``def`` line of the function around ``path:line``, dedented."""
+    if not source or ":" not in source:
+        return None
+    path, _, num = source.rpartition(":")
+    if not num.isdigit():
+        return None
+    lines = [linecache.getline(path, i) for i in range(int(num), 0, -1)]
+    here = lines[0]
+    indent = len(here) - len(here.lstrip())
+    for text in lines[1:]:
+        stripped = text.lstrip()
+        if stripped.startswith(("def ", "async def ")) and len(text) - len(stripped) < indent:
+            return stripped.rstrip()
+    return None
+
+
+class _Floor(ast.NodeTransformer):
+    def __init__(self, op: str, value: str) -> None:
+        self.op, self.value, self.hits = op, value, 0
+
+    def _floored(self, node: ast.expr) -> ast.expr:
+        self.hits += 1
+        return ast.Call(func=ast.Attribute(value=node, attr="clamp_min", ctx=ast.Load()),
+                        args=[ast.Constant(float(self.value))], keywords=[])
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr == self.op:
+            if isinstance(f.value, ast.Name) and f.value.id in ("torch", "F", "math"):
+                if node.args:  # torch.sqrt(x) -> torch.sqrt(x.clamp_min(v))
+                    i = 1 if self.op == "div" else 0
+                    if len(node.args) > i:
+                        node.args[i] = self._floored(node.args[i])
+            elif self.op != "div" and self.op != "pow":  # x.sqrt() -> x.clamp_min(v).sqrt()
+                f.value = self._floored(f.value)
+            elif self.op == "div" and node.args:
+                node.args[0] = self._floored(node.args[0])
+        return node
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        self.generic_visit(node)
+        if self.op == "div" and isinstance(node.op, ast.Div):
+            node.right = self._floored(node.right)
+        elif self.op == "pow" and isinstance(node.op, ast.Pow):
+            node.left = self._floored(node.left)
+        return node
+
+
+def _edit_line(line: str, op: str, value: str) -> str | None:
+    """``line`` with ``op``'s input floored, when it parses and calls ``op`` once."""
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    floor = _Floor(op, value)
+    tree = floor.visit(tree)
+    if floor.hits != 1:
+        return None
+    return ast.unparse(tree)

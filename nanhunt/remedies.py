@@ -1,0 +1,225 @@
+"""From recommendations to installable fixes: the ``--fix`` specs of each recommendation, the
+snippet they stand for, and the wider fixes to try when the narrowest one fails. Torch-free.
+
+:func:`attach_fixes` gives every recommendation its ``fix`` specs (none for a change only the
+code can make: a log_softmax, a cleaned batch, the loop's GradScaler calls) and, where a spec
+installs it, the snippet generated from that spec, so the printed code and the installed fix
+are one change. :func:`ladder` lists what re-run verification tries, narrowest first: the
+culprit instance, its sibling instances, the enclosing block, the enclosing stage, the whole
+model; an eps or floor from the target's smallest normal up by factors of ten.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .diagnose import is_loss_type, module_pattern
+from .fixspec import FixSpec, SnippetContext, number, parse_fix, snippet
+from .formats import get_format
+from .trace import Recommendation, Trace
+
+__all__ = ["attach_fixes", "ladder", "verify_order"]
+
+#: types a fix spec installs; the others need a code change
+_INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "lower_lr")
+#: which recommendation types re-run verification tries first (most likely to cure first):
+#: a floor removes the invalid op (an eps too, when the module has one), float32 keeps the
+#: values, a clamp only bounds a symptom
+_PRIORITY = {"clamp_op": 0, "eps": 1, "fp32_module": 2, "init_scale": 3, "clip_grad_norm": 4,
+             "lower_lr": 5, "clamp": 6}
+_DEFAULT_GROWTH_INTERVAL = 2000
+
+
+def _device(trace: Trace) -> str:
+    m = re.match(r"[a-z]+", trace.run.device or "")
+    return m.group(0) if m and m.group(0) in ("cpu", "cuda", "xpu", "mps", "hpu") else "cuda"
+
+
+def _refs(trace: Trace) -> dict[str, str]:
+    """Roots outside the model (a loss module), by the variable the user calls them."""
+    return {layer.module: layer.module for layer in trace.layers
+            if "." not in layer.module and is_loss_type(layer.type)}
+
+
+def specs_for(rec: Recommendation, trace: Trace) -> list[FixSpec]:
+    """The fix specs that install ``rec``; [] when it needs a change to the code."""
+    d = rec.data
+    if rec.type == "fp32_module":
+        region = [str(r) for r in d.get("region") or [rec.module]] if rec.module or \
+            d.get("region") else []
+        if not region:
+            return []
+        if len(region) == 1:
+            text = f"fp32:{region[0]}" if d.get("cast_to") else f"fp32:{region[0]}.."
+        else:
+            text = f"fp32:{','.join(region[:-1])}..{region[-1]}"
+        return [parse_fix(text)]
+    if rec.type == "clamp":
+        where = d.get("where", "output")
+        if where == "output" and rec.module:
+            return [parse_fix(f"clamp:{rec.module}={number(float(d.get('bound', rec.value)))}")]
+        op = d.get("op") or (_failure_op(trace) if where == "input" else None)
+        if where in ("op_input", "input") and rec.module and op:
+            return [parse_fix(f"floor:{rec.module}:{op}={number(float(d.get('min', rec.value)))}")]
+        return []
+    if rec.type == "eps":
+        if d.get("where") == "optimizer":
+            return [parse_fix(f"opt-eps={number(float(rec.value))}")]
+        return [parse_fix(f"eps:{rec.module}={number(float(rec.value))}")] if rec.module else []
+    if rec.type == "init_scale" and trace.run.scaler:
+        specs = [parse_fix(f"init-scale={number(float(rec.value))}")]
+        interval = d.get("growth_interval")
+        if interval and int(interval) != _DEFAULT_GROWTH_INTERVAL:
+            specs.append(parse_fix(f"growth-interval={int(interval)}"))
+        return specs
+    if rec.type == "clip_grad_norm":
+        return [parse_fix(f"clip={number(float(rec.value))}")]
+    if rec.type == "lower_lr":
+        return [parse_fix(f"lr-factor={number(float(rec.value))}")]
+    return []
+
+
+def _failure_op(trace: Trace) -> str | None:
+    f = trace.first_failure
+    op = (f.op or "").removeprefix("aten.") if f else ""
+    return op if op in ("log", "log2", "log10", "sqrt", "rsqrt", "reciprocal", "div", "pow") \
+        else None
+
+
+def context(trace: Trace, rec: Recommendation | None = None) -> SnippetContext:
+    f = trace.first_failure
+    fmt = get_format(trace.run.target)
+    low = fmt.name if fmt.name in ("float16", "bfloat16") else None
+    if rec is not None and rec.type == "fp32_module" and not rec.data.get("cast_to"):
+        low = None
+    same = f is not None and rec is not None and rec.module == f.module
+    return SnippetContext(device=_device(trace), low=low, scaler=trace.run.scaler,
+                          refs=_refs(trace), source=f.source if same else None,
+                          source_line=f.source_line if same else None)
+
+
+def set_fix(rec: Recommendation, trace: Trace, specs: list[FixSpec]) -> None:
+    """Make ``specs`` the recommendation's fix, with the snippet generated from them."""
+    rec.fix = [str(s) for s in specs]
+    snip = snippet(specs, context(trace, rec))
+    rec.snippet, rec.helper = snip.code, snip.helper
+    rec.code_change = False
+
+
+def attach_fixes(trace: Trace) -> None:
+    """Give each recommendation its --fix specs and the snippet those specs stand for."""
+    for rec in trace.recommendations:
+        specs = specs_for(rec, trace) if rec.type in _INSTALLABLE else []
+        if specs:
+            set_fix(rec, trace, specs)
+        else:
+            rec.fix, rec.code_change = [], True
+
+
+def verify_order(recs: list[Recommendation]) -> list[Recommendation]:
+    """Installable recommendations, the most likely to cure first (stable otherwise)."""
+    def key(rec: Recommendation) -> int:
+        kind = "clamp_op" if rec.type == "clamp" and rec.data.get("where") != "output" \
+            else rec.type
+        return _PRIORITY.get(kind, 9)
+
+    return sorted((r for r in recs if r.fix), key=key)
+
+
+# ----------------------------------------------------------------------------- the ladder
+
+
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _blocks_of(name: str) -> list[str]:
+    """The enclosing numbered containers, nearest first: ``encoder.block.1.layer.0`` and
+    ``encoder.block.1`` of ``encoder.block.1.layer.0.wo``."""
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts) - 2, -1, -1) if parts[i].isdigit()]
+
+
+def _fp32_rungs(rec: Recommendation, trace: Trace) -> list[str]:
+    spec = parse_fix(rec.fix[0])
+    starts, ends = list(spec.starts), list(spec.patterns[len(spec.starts):])
+    first = (starts or ends)[0]
+    end = ends[-1] if starts and ends else None
+    rungs = [rec.fix[0]]
+
+    def region(start: list[str], stop: str | None) -> str:
+        if stop is None or any(stop == s or stop.startswith(s.rstrip("*") + ".") for s in start):
+            return "fp32:" + ",".join(start)
+        return "fp32:" + ",".join(start) + ".." + stop
+
+    sib = [module_pattern(s) for s in (starts or ends)]
+    sib_end = module_pattern(end) if end else None
+    rungs.append(region(list(dict.fromkeys(sib)), sib_end))
+    for block in _blocks_of(first):
+        rungs.append(region([module_pattern(block)], sib_end))
+    stage = first.split(".")[0]
+    if stage and stage != first:
+        rungs.append(region([stage], sib_end))
+    model = _model_name(trace)
+    if model:
+        rungs.append(f"fp32:{model}")
+    return rungs
+
+
+def _model_name(trace: Trace) -> str | None:
+    """The model's own name in the report: the root is named by its variable, its submodules
+    without it (``model``, beside ``encoder.blocks.0``)."""
+    names = [layer.module for layer in trace.layers]
+    for layer in reversed(trace.layers):  # the root's call ends last
+        name = layer.module
+        if name and "." not in name and not is_loss_type(layer.type) and \
+                not any(n.startswith(name + ".") for n in names) and \
+                any("." in n for n in names):
+            return name
+    return None
+
+
+def _contains_more(text: str, culprit: FixSpec) -> bool:
+    """Whether an fp32 rung runs more than the culprit (and its siblings) in float32."""
+    spec = parse_fix(text)
+    own = {module_pattern(p) for p in culprit.patterns} | set(culprit.patterns)
+    return not set(spec.patterns) <= own
+
+
+def ladder(rec: Recommendation, trace: Trace) -> list[list[str]]:
+    """The fixes re-run verification tries for ``rec``, narrowest first (duplicates dropped)."""
+    if not rec.fix:
+        return []
+    first = parse_fix(rec.fix[0])
+    rungs: list[list[str]] = [list(rec.fix)]
+    if first.kind == "fp32":
+        rungs += [[r] for r in _fp32_rungs(rec, trace)]
+        if rec.data.get("fp32_exceeds"):
+            # the replay showed its float32 output above the max: casting it back right after
+            # it (alone or with its siblings) gives inf again, so start where a region does
+            rungs = [r for r in rungs if ".." in r[0] or _contains_more(r[0], first)]
+    elif first.kind == "clamp":
+        block = (_blocks_of(first.patterns[0]) or [_parent(first.patterns[0])])[0]
+        if block:
+            rungs.append([f"clamp:{module_pattern(block)}={number(first.value)}"])
+    elif first.kind in ("floor", "eps", "opt-eps"):
+        for factor in (10.0, 100.0):
+            value = float(f"{(first.value or 0.0) * factor:.3g}")
+            if first.kind == "floor":
+                rungs.append([f"floor:{first.patterns[0]}:{first.op}={number(value)}"])
+            elif first.kind == "eps":
+                rungs.append([f"eps:{first.patterns[0]}={number(value)}"])
+            else:
+                rungs.append([f"opt-eps={number(value)}"])
+    elif first.kind == "init-scale":
+        rungs.append([f"init-scale={number((first.value or 1.0) / 16)}", *rec.fix[1:]])
+    elif first.kind == "clip":
+        rungs.append([f"clip={number((first.value or 1.0) / 10)}"])
+    elif first.kind == "lr-factor":
+        rungs.append([f"lr-factor={number((first.value or 1.0) / 10)}"])
+    seen: list[list[str]] = []
+    for r in rungs:
+        canon = [str(parse_fix(s)) for s in r]
+        if canon not in seen:
+            seen.append(canon)
+    return seen
