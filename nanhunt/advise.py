@@ -300,7 +300,7 @@ def _init_scale(trace: Trace, ctx: Context, finding: Finding) -> Recommendation 
     if not had_scaler and choice.headroom is not None:
         plain = scale_fractions(hist, fmt, 0)
         evidence.append(
-            f"{source}, {plain.total} values, without a loss scale: {_fractions(plain)}"
+            f"{source}, {plain.total} non-zero values, without a loss scale: {_fractions(plain)}"
         )
     if choice.headroom is None:
         evidence.append(
@@ -309,7 +309,8 @@ def _init_scale(trace: Trace, ctx: Context, finding: Finding) -> Recommendation 
         )
     else:
         evidence += [
-            f"{source}, {choice.current.total} values: {now_label}: {_fractions(choice.current)}",
+            f"{source}, {choice.current.total} non-zero values: {now_label}: "
+            f"{_fractions(choice.current)}",
             f"at 2^{choice.k}: {_fractions(choice.chosen)}; the largest gradient sits "
             f"{choice.headroom} binades below {fmt.name}'s max binade",
         ]
@@ -444,7 +445,8 @@ def _fp32_module(trace: Trace, ctx: Context, finding: Finding) -> Recommendation
     fmt = ctx.fmt
     if finding.rule == "loss-nan-op":
         return _fp32_probabilities(trace, ctx, finding)
-    if finding.rule == "scale-collapse" and not finding.data.get("overflow"):
+    if (finding.rule == "scale-collapse" or finding.data.get("collapse")) \
+            and not finding.data.get("overflow"):
         return None  # NaN made in backward: float32 does not make sqrt'(0) finite
     targets = _fp32_targets(trace, ctx, finding)
     if targets is None:
@@ -786,15 +788,24 @@ def _clip_grad_norm(trace: Trace, ctx: Context, finding: Finding) -> Recommendat
         return None  # clipping a NaN gradient leaves it NaN
     healthy, start = _healthy_norms(ctx, trace)
     value = clip_value([v for _, v in healthy], _CLIP_PERCENTILE)
+    if value is None and finding.kind == "exploding_gradient":
+        value = 1.0
+        evidence = [
+            "no step before the gradients grew was recorded to size max_norm from: "
+            "max_norm=1.0 (a common default); once the run is stable, set it near the "
+            "largest gradient norm of healthy steps"
+        ]
+        healthy = []
     if value is None:
         return None
     vals = sorted(v for _, v in healthy)
-    evidence = [
-        f"gradient norm over {len(vals)} healthy step{'s' if len(vals) != 1 else ''} "
-        f"({_span(healthy)}): median {_n(statistics.median(vals))}, "
-        f"largest {_n(vals[-1])}",
-        f"max_norm={value:g}: the {_CLIP_PERCENTILE:g}th percentile of those, rounded up",
-    ]
+    if healthy:
+        evidence = [
+            f"gradient norm over {len(vals)} healthy step{'s' if len(vals) != 1 else ''} "
+            f"({_span(healthy)}): median {_n(statistics.median(vals))}, "
+            f"largest {_n(vals[-1])}",
+            f"max_norm={value:g}: the {_CLIP_PERCENTILE:g}th percentile of those, rounded up",
+        ]
     later = [v for s, v in ctx.grad_norms() if start is not None and s > start]
     if later:
         evidence.append(f"afterwards it reached {_n(max(later))}")
@@ -1064,6 +1075,33 @@ scaler.step(optimizer)          # unscales (if not yet), skips the step on inf/N
 scaler.update()                 # backs off or grows the scale"""
 
 
+def _skip_init_scale(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    """The init_scale the skip-streak rule computed (where calibration settled, capped by the
+    gradients' exponents), and the scheduler stepped only after applied steps when it ran on
+    skipped ones."""
+    k = finding.data.get("init_k")
+    if k is None:
+        return None
+    dev = _device_type(trace)
+    lines = ["import torch", "", f'scaler = torch.amp.GradScaler("{dev}", init_scale=2.0**{k})']
+    evidence = [finding.message, *finding.evidence]
+    if finding.data.get("scheduler_steps"):
+        lines += [
+            "# in the loop:",
+            "scale = scaler.get_scale()",
+            "scaler.step(optimizer)",
+            "scaler.update()",
+            "if scaler.get_scale() >= scale:  # applied: a skipped step lowers the scale",
+            "    scheduler.step()",
+        ]
+        evidence.append("step the LR scheduler only after steps GradScaler applied")
+    if finding.data.get("summed_loss"):
+        evidence.append('or average the loss (reduction="mean"): summed losses need a scale '
+                        "divided by the number of elements")
+    return Recommendation(type="init_scale", value=2.0**k, snippet="\n".join(lines),
+                          evidence=evidence, data={"k": k})
+
+
 def _scaler_usage(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
     code = finding.data.get("misuse")
     if not code:
@@ -1100,6 +1138,7 @@ ADVICE: dict[str, tuple[Builder, ...]] = {
     "gradient-underflow": (_init_scale,),
     "scale-too-low": (_init_scale,),
     "scale-backoff": (_init_scale,),
+    "skip-streak": (_skip_init_scale,),
     "loss-spike": (_clip_grad_norm,),
     "input-range-shift": (_normalize_input,),
 }

@@ -78,10 +78,12 @@ PRECEDENCE = (
     "input-range",
     "forward-overflow",
     "backward-overflow",
+    "skip-streak",  # skips are often a symptom: an explosion or an op above explains them
 )
 
 #: Rules whose errors are the diagnosis even when no value went non-finite.
-ALWAYS_PRIMARY = ("scaler-crash", "range-constant", "scaler-misuse")
+ALWAYS_PRIMARY = ("scaler-crash", "range-constant", "scaler-misuse", "exploding-gradient",
+                  "skip-streak")
 
 #: Errors a primary diagnosis explains: they are its consequences, not warnings of their own
 #: (a misused GradScaler makes updates that look like a learning rate too high).
@@ -303,6 +305,9 @@ class Thresholds:
     raw_input: float = 64.0  # |input| above this is not normalised (z-scores stay within ~10)
     max_warnings: int = 8
 
+
+#: Growth of the gradient norm that is a problem by itself (two orders of magnitude).
+ORDERS = 100.0
 
 #: GradScaler's default init_scale, 2**16 (DESIGN.md §3).
 DEFAULT_SCALE_BINADE = 16
@@ -526,9 +531,10 @@ def rule(*, id: str, kind: str, needs: tuple[str, ...] = ()) -> Callable[[RuleFu
 
 
 def _finding(severity: str, message: str, evidence: list[str], **kw: Any) -> Finding:
-    """A finding whose rule and kind the runner fills in from the rule that made it."""
+    """A finding whose rule and kind the runner fills in from the rule that made it (unless
+    given: a rule may hand its finding to another rule's advice)."""
     return Finding(
-        rule="",
+        rule=kw.pop("rule", ""),
         kind=kw.pop("kind", ""),
         severity=severity,
         message=message,
@@ -1022,20 +1028,29 @@ def norm_underflow(trace: Trace, ctx: Context) -> Iterator[Finding]:
 
 def _backward_error(ctx: Context, wanted: str, message: str) -> Iterator[Finding]:
     f = ctx.failure
-    if f is None or f.phase != "backward":
+    if f is None or f.phase not in ("backward", "loss_scaling"):
         return
     c = _backward_class(ctx)
     if c.name != wanted:
         return
+    evidence = list(c.evidence)
+    data = dict(c.data)
+    if f.phase == "loss_scaling":
+        data.update(collapse=True, overflow=False)
+        if wanted != "nan_op" or _collapse_cause(ctx) != "nan_op":
+            return  # an overflowing gradient behind a collapse: scale-collapse explains it
+        # the collapse is the evidence: the op made NaN/inf at every scale GradScaler tried
+        evidence += _collapse_evidence(ctx)
+        message += "; GradScaler skipped every step and the loss scale collapsed as a result"
     yield _finding(
         "error",
         message.format(f=f, fmt=c.fmt),
-        list(c.evidence),
-        phase=f.phase,
+        evidence,
+        phase="backward",
         step=f.step,
         module=f.module or None,
         tensor=f.tensor,
-        data=dict(c.data),
+        data=data,
     )
 
 
@@ -1180,6 +1195,56 @@ def scaler_misuse(trace: Trace, ctx: Context) -> Iterator[Finding]:
         )
 
 
+def _collapse_streak(ctx: Context) -> list[StepRecord]:
+    f = ctx.failure
+    assert f is not None
+    streak = []
+    for s in sorted(ctx.trace.steps, key=lambda s: s.index):
+        if s.index < f.step:
+            continue
+        if not s.skipped:
+            break
+        streak.append(s)
+    return streak
+
+
+def _collapse_evidence(ctx: Context) -> list[str]:
+    f = ctx.failure
+    assert f is not None
+    streak = _collapse_streak(ctx)
+    first = ctx.scale_at(f.step) if ctx.steps.get(f.step) else None
+    events = [e for e in ctx.trace.scaler_events if e.event == "backoff" and e.step >= f.step]
+    last = events[-1].scale_after if events else (streak[-1].scale if streak else None)
+    out = []
+    if first is not None and last is not None:
+        out.append(
+            f"GradScaler skipped {len(streak)} steps in a row from step {f.step} and lowered "
+            f"the scale from {first:g} to {last:g}: the gradient was non-finite at every scale"
+        )
+    return out
+
+
+def _collapse_cause(ctx: Context) -> str:
+    """Why the scale collapsed: ``nan_op`` (a backward op makes NaN/inf whatever the scale) or
+    ``overflow`` (unscaled gradients too large for the format: exploding gradients)."""
+    f = ctx.failure
+    assert f is not None
+    s = f.stats
+    op = failure_op(ctx.trace)
+    layer = ctx.layer(f.module)
+    peak = ctx.backward_peak(layer) if layer is not None else None
+    if peak is not None and ctx.fmt.headroom_binades(peak[1]) < ctx.th.near_max:
+        return "overflow"
+    if op in _OVERFLOW_OPS:  # a matmul's NaN is inf * 0 or inf - inf: an overflow first
+        return "overflow"
+    if op in _NAN_OPS or (s.nan and not (s.posinf or s.neginf)):
+        return "nan_op"
+    # no op named: a collapse that begins after applied steps, with inf in the gradient, grew
+    # into it (the updates before it made the gradients larger); from step 0 on it is an op
+    applied = [st for st in ctx.trace.steps if st.index < f.step and not st.skipped]
+    return "overflow" if applied and (s.posinf or s.neginf) else "nan_op"
+
+
 def _short_source(source: str) -> str:
     path, _, line = source.rpartition(":")
     name = path.replace("\\", "/").rsplit("/", 1)[-1]
@@ -1188,11 +1253,13 @@ def _short_source(source: str) -> str:
 
 @rule(id="scale-collapse", kind="loss_scale", needs=("first_failure", "steps"))
 def scale_collapse(trace: Trace, ctx: Context) -> Iterator[Finding]:
-    """GradScaler skipped step after step until the scale collapsed: the gradient is non-finite
-    at any scale."""
+    """GradScaler skipped step after step until the scale collapsed because unscaled gradients
+    exceed the format (a backward op that makes NaN at every scale is backward-nan-op's)."""
     f = ctx.failure
     if f is None or f.phase != "loss_scaling":
         return
+    if _collapse_cause(ctx) == "nan_op" and _backward_class(ctx).name == "nan_op":
+        return  # backward-nan-op names the op; the collapse is its evidence
     streak = []
     for s in sorted(trace.steps, key=lambda s: s.index):
         if s.index < f.step:
@@ -1232,6 +1299,38 @@ def scale_collapse(trace: Trace, ctx: Context) -> Iterator[Finding]:
                 cause, overflow = "unscaled gradients that exceed the max", True
     if s.nan and not (s.posinf or s.neginf):
         cause, overflow = "NaN made in backward (0 * inf, the derivative of sqrt at 0)", False
+    if not overflow and _collapse_cause(ctx) == "overflow":
+        # the gradients grew past the format after updates were applied: exploding gradients,
+        # named by the module whose own gradients are largest / grew most
+        site = _grad_site(ctx) or (f.module, [])
+        applied = [st for st in ctx.clean_steps() if _finite_pos(st.grad_norm)]
+        if applied:
+            evidence.append(
+                "gradient norm of the applied steps before it "
+                f"({_span([(st.index, 0.0) for st in applied[-6:]])}): "
+                f"{_series([(st.index, st.grad_norm) for st in applied])}"
+            )
+        if site[1]:
+            evidence.append(f"{site[0]}'s largest unscaled parameter gradient by step "
+                            f"({_span(site[1])}): {_series(site[1])}")
+        yield _finding(
+            "error",
+            f"exploding gradients in {site[0] or 'the model'}: after the applied updates the "
+            f"gradients overflow {ctx.fmt.name} at every loss scale, so GradScaler skipped {n} "
+            "steps in a row and the scale collapsed (the collapse is the symptom; clip the "
+            "gradient norm)",
+            evidence,
+            kind="exploding_gradient",
+            phase="backward",
+            step=f.step,
+            module=site[0] or None,
+            tensor=f.tensor,
+            rule="exploding-gradient",
+            data={"skipped": n, "scale_from": first, "scale_to": last, "overflow": True,
+                  "collapse": True, "spike": True,
+                  "from_step": applied[0].index if applied else f.step},
+        )
+        return
     yield _finding(
         "error",
         f"the loss scale collapsed: GradScaler skipped {n} steps in a row while the gradient of "
@@ -1304,6 +1403,39 @@ def weight_growth(trace: Trace, ctx: Context) -> Iterator[Finding]:
     )
 
 
+def _grad_site(ctx: Context) -> tuple[str, list[tuple[int, float]]] | None:
+    """The module whose own parameter gradients grew most over the applied steps (with one
+    applied step: the largest), with its unscaled series; a recurrent cell's inner layer is
+    named by the outermost module called as often as it (the cell, not its Linear)."""
+    cands = []
+    for layer in ctx.trace.layers:
+        pts = []
+        for s, v in sorted(layer.param_grad_amax_by_step.items()):
+            rec = ctx.steps.get(s)
+            if _finite_pos(v) and rec is not None and not rec.skipped and ctx.before_failure(s):
+                pts.append((s, v / ctx.scale_at(s)))
+        if pts:
+            cands.append((layer, pts))
+    if not cands:
+        return None
+
+    def growth(pts: list[tuple[int, float]]) -> float:
+        best = 1.0
+        for i in range(1, len(pts)):
+            low = min(v for _, v in pts[:i])
+            best = max(best, pts[i][1] / low)
+        return best
+
+    if any(len(p) > 1 for _, p in cands):
+        layer, pts = max(cands, key=lambda c: (growth(c[1]), -ctx.order.get(c[0].module, 0)))
+    else:
+        layer, pts = max(cands, key=lambda c: c[1][-1][1])
+    ancestors = [o.module for o in ctx.trace.layers if o.module
+                 and ctx.is_descendant(layer.module, o.module) and o.calls >= layer.calls]
+    # the outermost module called as often (per step) as the site: the recurrent cell
+    return min(ancestors, key=len, default=layer.module), pts
+
+
 def _grad_explosion(ctx: Context) -> tuple[str, list[tuple[int, float]], float] | None:
     """("growth" | "spike", the norms judged, the factor) or None."""
     th = ctx.th
@@ -1357,11 +1489,30 @@ def exploding_gradient(trace: Trace, ctx: Context) -> Iterator[Finding]:
         evidence = [f"gradient norm by step ({_span(points)}): {_series(points, 8)}"]
     if f is not None:
         message += f", before the failure at step {f.step}"
+    site = _grad_site(ctx)
+    module = None
+    if site is not None:
+        module = site[0]
+        message += f"; the gradient grows in {module}"
+        evidence.append(f"{module}'s largest unscaled parameter gradient by step "
+                        f"({_span(site[1])}): {_series(site[1], 8)}")
+    skipped = [s.index for s in trace.steps if s.skipped and ctx.before_failure(s.index)]
+    if skipped:
+        evidence.append(f"GradScaler skipped {len(skipped)} steps whose scaled gradients "
+                        f"overflowed ({_span([(i, 0.0) for i in skipped])}): the loss stayed "
+                        "finite, the gradients did not")
+    # orders of magnitude is a problem even while the loss is finite and GradScaler skips
+    severe = factor >= ORDERS if how == "spike" else data["total"] >= ORDERS
+    last = max((s.index for s in trace.steps), default=None)
+    if trace.partial and points[-1][0] == last:
+        severe = False  # the step a crash interrupted: its gradients may be half-reduced
     yield _finding(
-        "error" if f is not None and f.phase != "data" else "warning",
+        "error" if (f is not None and f.phase != "data") or (f is None and severe) else "warning",
         message,
         evidence,
+        phase="backward",
         step=points[-1][0],
+        module=module,
         score=6.0,
         data=data,
     )
@@ -1531,8 +1682,91 @@ def _vanished(ctx: Context) -> list[StepRecord]:
     return zero if uses_target and len(zero) >= 2 and len(zero) == len(steps) else []
 
 
+@dataclass(frozen=True)
+class _FlushSite:
+    """Where gradients first flush to zero, in backward order."""
+
+    module: str
+    values: int
+    flushed: int  # exactly 0 after the cast though non-zero before it (measured), or exact zeros
+    subnormal: int
+    source_zero: int | None  # zeros before the cast; None when no cast was measured
+    evidence: str
+
+    @property
+    def flushed_fraction(self) -> float:
+        nonzero = self.values - (self.source_zero or 0)
+        return self.flushed / nonzero if nonzero else 0.0
+
+
+def _flush_site(ctx: Context) -> _FlushSite | None:
+    """The first module in backward order whose output gradient, in the target format, is
+    mostly flushed or subnormal: measured at the down-cast where autocast computed it in a wider
+    dtype (non-zero before, zero after), else the exact zeros of the stored gradient."""
+    fmt, th = ctx.fmt, ctx.th
+    layers = ctx.trace.layers
+    def same_output(a: LayerStats, b: LayerStats) -> bool:
+        sa, sb = (a.forward, a.backward), (b.forward, b.backward)
+        return all(x is not None and y is not None and (x.numel, x.zero, x.underflow, x.amax)
+                   == (y.numel, y.zero, y.underflow, y.amax) for x, y in zip(sa, sb))
+
+    for layer in sorted(layers, key=lambda la: -ctx.order.get(la.module, 0)):
+        if any(ctx.order.get(o.module, 0) < ctx.order.get(layer.module, 0)
+               and same_output(o, layer) for o in layers):
+            continue  # a container returning its child's output: the child is the site
+        cc = layer.grad_cast
+        if cc is not None and cc.values and cc.dtype == fmt.name:
+            nonzero = cc.values - cc.source_zero
+            if nonzero and (cc.flushed / nonzero >= th.flushed
+                            or (cc.flushed + cc.subnormal) / nonzero >= th.underflow):
+                return _FlushSite(
+                    layer.module, cc.values, cc.flushed, cc.subnormal, cc.source_zero,
+                    f"the gradient reaching {layer.module} (its output gradient, computed in "
+                    f"{cc.source_dtype} and cast to {cc.dtype}) over the recorded steps: "
+                    f"{nonzero:,} of {cc.values:,} values were non-zero in {cc.source_dtype} "
+                    f"(largest {_n(cc.source_amax)}); the cast flushed {cc.flushed:,} "
+                    f"({_pct(cc.flushed / nonzero)}) to exactly 0 and left {cc.subnormal:,} "
+                    f"({_pct(cc.subnormal / nonzero)}) subnormal; {cc.source_zero:,} were "
+                    "already 0 before the cast (reported apart, not flushed)",
+                )
+            continue
+        b = layer.backward
+        if b is None or not b.numel or b.dtype != fmt.name:
+            continue
+        sub = b.underflow
+        if b.zero / b.numel >= th.flushed or (b.zero + sub) / b.numel >= th.underflow:
+            normal = b.numel - b.zero - sub - b.nonfinite
+            return _FlushSite(
+                layer.module, b.numel, b.zero, sub, None,
+                f"the gradient reaching {layer.module} ({b.dtype}, its output gradient) over "
+                f"the recorded steps: {b.zero:,} of {b.numel:,} values ({_pct(b.zero / b.numel)}) "
+                f"exactly 0, {sub:,} ({_pct(sub / b.numel)}) subnormal, {normal:,} normal (no "
+                "wider value was cast here, so zeros that were zero already are included)",
+            )
+    return None
+
+
 def _underflow(ctx: Context, message: Callable[[float, str], str]) -> Iterator[Finding]:
     """The gradient-underflow finding, worded by ``message(fraction lost, where)``."""
+    for finding in _underflow_findings(ctx, message):
+        site = _flush_site(ctx)
+        if site is not None:
+            finding.module = site.module
+            finding.tensor = "output gradient"
+            finding.message += (
+                f"; in backward order they first flush at {site.module}: "
+                f"{_pct(site.flushed_fraction)} of the gradient reaching it is flushed to zero"
+            )
+            finding.evidence.insert(0, site.evidence)
+            finding.data["site"] = {
+                "module": site.module, "values": site.values, "flushed": site.flushed,
+                "subnormal": site.subnormal, "source_zero": site.source_zero,
+                "flushed_fraction": site.flushed_fraction,
+            }
+        yield finding
+
+
+def _underflow_findings(ctx: Context, message: Callable[[float, str], str]) -> Iterator[Finding]:
     fmt = ctx.fmt
     k, where = ctx.gradient_shift()
     zero = _vanished(ctx)
@@ -1560,9 +1794,10 @@ def _underflow(ctx: Context, message: Callable[[float, str], str]) -> Iterator[F
         "warning",
         message(fr.lost, where),
         [
-            f"{source} {where}: {_pct(fr.subnormal)} subnormal (below "
-            f"{fmt.smallest_normal:.3g}), {_pct(fr.flushed)} flushed to zero (below "
-            f"{fmt.smallest_subnormal:.3g}), {_pct(fr.normal)} normal, of {fr.total} values"
+            f"{source} {where}, of their {fr.total:,} non-zero values: {_pct(fr.subnormal)} "
+            f"subnormal (below {fmt.smallest_normal:.3g}), {_pct(fr.flushed)} below "
+            f"{fmt.smallest_subnormal:.3g} (would flush), {_pct(fr.normal)} normal; exact "
+            "zeros have no binade and are counted at the module"
         ],
         phase="backward",
         score=min(9.0, 4.0 + 3.0 * fr.lost + 2.0 * fr.flushed),
@@ -1585,7 +1820,8 @@ def gradient_underflow(trace: Trace, ctx: Context) -> Iterator[Finding]:
         ctx,
         lambda lost, where: (
             f"{_pct(lost)} of the gradients lose precision or vanish in "
-            f"{ctx.fmt.name} {where}: scale the loss (GradScaler)"
+            f"{ctx.fmt.name} {where}: scale the loss (GradScaler), or rescale the loss or the "
+            "targets to a larger range"
         ),
     )
 
@@ -1673,6 +1909,107 @@ def scale_backoff(trace: Trace, ctx: Context) -> Iterator[Finding]:
         )
 
 
+#: A share of skipped steps that costs the run real updates (calibration or not).
+SKIP_SHARE = 0.4
+
+
+@rule(id="skip-streak", kind="loss_scale", needs=("scaler", "steps"))
+def skip_streak(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """Skipped steps that cost something: an LR scheduler advancing on them, skips after the
+    scale calibrated, or a large share of the run; calibration skips alone are a warning."""
+    steps = [s for s in sorted(trace.steps, key=lambda s: s.index)
+             if s.scale is not None and ctx.before_failure(s.index)]
+    skipped = [s for s in steps if s.skipped]
+    if not skipped or ctx.failure is not None:
+        return
+    calib = 0
+    while calib < len(steps) and steps[calib].skipped:
+        calib += 1
+    growth_steps = {e.step for e in trace.scaler_events if e.event == "growth"}
+    # skips after calibration that no growth attempt explains
+    later = [s for i, s in enumerate(steps[calib:], calib)
+             if s.skipped and not (i > 0 and steps[i - 1].index in growth_steps)]
+    sched = [s for i, s in enumerate(steps[:-1])
+             if s.skipped and s.lr is not None and steps[i + 1].lr is not None
+             and steps[i + 1].lr != s.lr]
+    share = len(skipped) / len(steps)
+    evidence = [f"GradScaler skipped {len(skipped)} of {len(steps)} steps "
+                f"({_pct(share)}): {', '.join(str(s.index) for s in skipped[:12])}"
+                + (" ..." if len(skipped) > 12 else "")]
+    if calib:
+        evidence.append(f"calibration: the first {calib} steps were skipped while the scale "
+                        f"fell from {steps[0].scale:g} to {steps[calib - 1].scale / 2:g}")
+    hist, source = ctx.gradient_histogram()
+    occupied = [e for e, c in hist.items() if c > 0]
+    init_k = None
+    # the scale the calibration settled at is direct evidence: the largest that did not overflow
+    settled = steps[calib].scale if calib < len(steps) else None
+    settled_k = math.floor(math.log2(settled)) if _finite_pos(settled) else None
+    if settled_k is not None:
+        init_k = settled_k
+    if occupied:
+        top = max(occupied)
+        hist_k = ctx.fmt.max_binade - 2 - top
+        init_k = hist_k if init_k is None else min(init_k, hist_k)
+        k0 = round(math.log2(steps[0].scale))
+        evidence.append(f"{source} of the applied steps: largest unscaled binade 2^{top}; at "
+                        f"the initial scale 2^{k0} that is binade 2^{top + k0} "
+                        f"({ctx.fmt.name}'s max binade is 2^{ctx.fmt.max_binade}): 2^{hist_k} "
+                        "keeps two binades of headroom")
+    if settled_k is not None:
+        evidence.append(f"the scale settled at 2^{settled_k} after calibration: "
+                        f"init_scale=2^{init_k} starts there")
+    losses = [s.loss for s in steps if s.loss is not None and math.isfinite(s.loss)]
+    summed = bool(losses) and statistics.median(losses) >= 1e3
+    if summed:
+        evidence.append(
+            f"the loss is {_n(statistics.median(losses))} per step: a loss summed over many "
+            "elements (reduction=\"sum\") multiplies every gradient by their count; "
+            "reduction=\"mean\" keeps gradients (and the scale that fits them) independent of "
+            "the batch and image size")
+    harm = []
+    if sched:
+        harm.append(f"the LR scheduler advanced on {len(sched)} skipped steps (lr "
+                    f"{_n(sched[0].lr)} -> {_n(steps[steps.index(sched[-1]) + 1].lr)}): its "
+                    "warm-up was spent on updates that never happened (torch warns "
+                    "\"lr_scheduler.step() before optimizer.step()\")")
+    if len(later) >= ctx.th.backoffs:
+        harm.append(f"{len(later)} skips after the scale calibrated, not explained by a "
+                    "growth attempt")
+    if calib == len(steps) and calib >= 5:
+        harm.append(f"every one of the {calib} steps was skipped: no update was applied (the "
+                    f"scale fell from {steps[0].scale:g} to {steps[-1].scale:g} and the gradients "
+                    "still overflowed)")
+    elif share >= SKIP_SHARE and len(skipped) >= 5 and len(skipped) - calib >= 2:
+        # (calibration alone is normal however short the run: skips must go on after it)
+        harm.append(f"{_pct(share)} of the run's steps were skipped, "
+                    f"{len(skipped) - calib} of them after the scale calibrated")
+    data = {"skipped": len(skipped), "steps": len(steps), "calibration": calib,
+            "scheduler_steps": [s.index for s in sched], "after_calibration": len(later),
+            "share": share, "summed_loss": summed, "init_k": init_k}
+    if harm:
+        yield _finding(
+            "error",
+            "skipped steps cost this run updates: " + "; ".join(harm),
+            evidence,
+            phase="loss_scaling",
+            step=skipped[0].index,
+            score=7.0,
+            data=data,
+        )
+    elif calib > 2:
+        yield _finding(
+            "warning",
+            f"GradScaler skipped the first {calib} steps calibrating the loss scale"
+            + (f": init_scale=2^{init_k} avoids them" if init_k is not None else ""),
+            evidence,
+            phase="loss_scaling",
+            step=skipped[0].index,
+            score=4.0,
+            data=data,
+        )
+
+
 @rule(id="loss-spike", kind="lr_too_high", needs=("loss",))
 def loss_spike(trace: Trace, ctx: Context) -> Iterator[Finding]:
     """A finite loss far above the median of the steps before it."""
@@ -1756,6 +2093,49 @@ def input_range_shift(trace: Trace, ctx: Context) -> Iterator[Finding]:
 # ----------------------------------------------------------------------------- diagnose
 
 
+def _untraced_failure(ctx: Context) -> bool:
+    """The failing step was one --sample-every did not trace: only its loss and gradient norm
+    were checked, so the first non-finite value seen there is not its origin."""
+    f = ctx.failure
+    if f is None or f.phase == "data":
+        return False
+    rec = ctx.steps.get(f.step)
+    if rec is None or rec.traced is None or rec.traced:
+        return False
+    # the cheap check sees the updated parameters and the gradient norm: weights that went
+    # non-finite in an update of finite gradients were observed where they were made
+    return not (f.phase == "optimizer" and rec.grad_norm is not None
+                and math.isfinite(rec.grad_norm))
+
+
+def _diagnose_untraced(trace: Trace, ctx: Context) -> None:
+    f = ctx.failure
+    assert f is not None
+    traced = [s.index for s in trace.steps if s.traced]
+    after = [i for i in traced if i > f.step]
+    evidence = [f"steps traced in full: {', '.join(str(i) for i in traced[-8:]) or 'none'}"]
+    if after:
+        evidence.append(f"nanhunt traced the {len(after)} steps after it in full and the failure "
+                        "did not recur there")
+    trace.diagnosis = Finding(
+        rule="untraced-step",
+        kind="",
+        severity="error",
+        message=(
+            f"step {f.step} went non-finite ({_where(f)}: {_counts(f.stats)}), but it was not "
+            "traced (--sample-every): its origin was not observed, so no cause is named. Run "
+            f"again without --sample-every (or with --max-steps {f.step + 1}) to trace step "
+            f"{f.step}"
+        ),
+        evidence=evidence,
+        step=f.step,
+        score=ERROR_SCORE,
+        data={"observed": False},
+    )
+    trace.warnings = []
+    trace.notes.append(f"step {f.step} was not traced: the diagnosis names no cause")
+
+
 def diagnose(trace: Trace, *, strict: bool = False, thresholds: Thresholds | None = None) -> None:
     """Fill ``trace.diagnosis`` and ``trace.warnings`` from :data:`RULES`.
 
@@ -1767,6 +2147,9 @@ def diagnose(trace: Trace, *, strict: bool = False, thresholds: Thresholds | Non
     ``trace.recommendations`` is left to :func:`nanhunt.advise.advise`.
     """
     ctx = Context(trace, thresholds)
+    if _untraced_failure(ctx):
+        _diagnose_untraced(trace, ctx)
+        return
     errors: list[Finding] = []
     warnings: list[Finding] = []
     for r in RULES:

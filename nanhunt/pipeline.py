@@ -64,6 +64,8 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
 
 #: a run that never went non-finite but loses this fraction of its gradients has a problem
 SEVERE_UNDERFLOW = 0.9
+#: ... or whose gradients, measured at a cast, flush to zero this often where they first do
+SEVERE_FLUSH = 0.25
 
 
 def _promote_severe_underflow(trace: Trace) -> None:
@@ -72,7 +74,11 @@ def _promote_severe_underflow(trace: Trace) -> None:
         return
     for w in trace.warnings:
         lost = w.data.get("subnormal", 0.0) + w.data.get("flushed", 0.0)
-        if w.kind in ("underflow", "loss_scale") and lost >= SEVERE_UNDERFLOW:
+        # measured at a down-cast: a quarter of the gradient reaching a module flushed to zero
+        flushed = (w.data.get("site") or {}).get("flushed_fraction", 0.0)
+        measured = (w.data.get("site") or {}).get("source_zero") is not None
+        if w.kind in ("underflow", "loss_scale") and (
+                lost >= SEVERE_UNDERFLOW or (measured and flushed >= SEVERE_FLUSH)):
             trace.warnings.remove(w)
             w.severity = "error"
             trace.diagnosis = w

@@ -5,7 +5,8 @@ step's summary matrix); the recorder stacks a step's rows and moves them to the 
 transfer, where :func:`decode` turns a row into a torch-free :class:`~nanhunt.trace.TensorStats`.
 
 Row layout: ``numel, nan, +inf, -inf, zero, finite amax, smallest non-zero finite |x|,
-count of finite |x| above the target max, count of non-zero finite |x| below the target's
+count of finite |x| above the target max (NaN and inf are not counted there), count of
+non-zero finite |x| below the target's
 smallest subnormal`` followed by a 256-bin histogram of the float32 exponent field (bin 0: zeros
 and values below 2**-126, float32 subnormals included; bin 255: inf and NaN; bin k: binade
 k-127). float64 values of 2**128 or more (beyond float32's range) are counted in binade 127.
@@ -225,7 +226,7 @@ def decode(
         zero=zero,
         amax=amax,
         amin=vals[_AMIN],
-        overflow=int(vals[_ABOVE]) + nan + posinf + neginf,
+        overflow=int(vals[_ABOVE]),  # finite values only: a NaN is not "over the max"
         underflow=underflow,
         flushed=int(vals[_FLUSHED]),
         headroom=fmt.headroom_binades(amax),

@@ -20,6 +20,7 @@ from .errors import NanhuntError
 __all__ = [
     "PHASES",
     "SCHEMA_VERSION",
+    "CastCounts",
     "Crash",
     "Failure",
     "Finding",
@@ -67,7 +68,7 @@ class TensorStats:
     zero: int = 0
     amax: float = 0.0  # largest finite |x|, 0 when there is none
     amin: float = math.inf  # smallest non-zero finite |x|, inf when there is none
-    overflow: int = 0  # finite values above the target max, plus non-finite values
+    overflow: int = 0  # finite values above the target max (NaN and inf are counted apart)
     underflow: int = 0  # non-zero finite values below the target's smallest normal
     flushed: int = 0  # non-zero finite values below the target's smallest subnormal
     headroom: float = math.inf  # binades from amax to the target max
@@ -149,6 +150,25 @@ class StepRecord:
     # gradients still multiplied by the scale), "unscaled_loss" (scaler.step/update without
     # scaler.scale(loss): gradients divided by a scale they were never multiplied by)
     misuse: list[str] = field(default_factory=list)
+    lr: float | None = None  # the first param group's learning rate when the step ran
+    # whether the step's tensors were summarised (False: a step --sample-every skipped, where
+    # only the loss and the gradient norm were checked); None in reports from before the field
+    traced: bool | None = None
+
+
+@dataclass
+class CastCounts:
+    """Gradient values at a cast to a narrower format in backward (the gradient of a module's
+    low-precision output, computed in a wider dtype by what consumed it), over the recorded
+    steps. ``values`` = ``source_zero`` + ``flushed`` + ``subnormal`` + normal + non-finite."""
+
+    values: int = 0
+    source_zero: int = 0  # already exactly zero before the cast
+    flushed: int = 0  # non-zero before the cast, exactly zero after it
+    subnormal: int = 0  # non-zero after the cast but below the format's smallest normal
+    source_dtype: str = ""
+    dtype: str = ""
+    source_amax: float = 0.0  # largest |gradient| before the cast
 
 
 @dataclass
@@ -173,6 +193,9 @@ class LayerStats:
     forward_amax_by_step: dict[int, float] = field(default_factory=dict)
     backward_amax_by_step: dict[int, float] = field(default_factory=dict)
     param_amax_by_step: dict[int, float] = field(default_factory=dict)  # after each update
+    # largest |gradient| of its own parameters by step, as stored (multiplied by the loss scale)
+    param_grad_amax_by_step: dict[int, float] = field(default_factory=dict)
+    grad_cast: CastCounts | None = None  # its output gradient at a cast to a narrower format
     params: int = 0  # elements of its own parameters (not its children's)
 
 

@@ -30,6 +30,11 @@ class Judge:
         self.problem_steps: list[int] = []
         self.failure_order = self.origin_order = 0
         self.dismissed: set[int] = set()  # steps that may no longer become the first failure
+        # sampled mode: steps that ran with full tracing; a failure on another step is not
+        # located there (only its loss and gradient norm were seen) but traced again at its next
+        # occurrence when that step left the weights unchanged
+        self.traced_steps: set[int] = set()
+        self.untraced_failure: Failure | None = None
 
     def before_failure(self, meta: _Meta) -> bool:
         """Per-layer ranges stop at the origin: what follows it is contaminated."""
@@ -80,6 +85,14 @@ class Judge:
             self.problem_steps.append(d.index)
         if self.first_failure is not None or d.index in self.dismissed:
             return
+        if d.index not in self.traced_steps and self.untraced_failure is None:
+            failure = self.locate(d, problem)  # what the cheap check saw: not an origin
+            if failure is not None:
+                failure.detail = (f"step {d.index} was not traced (--sample-every): only its "
+                                  "loss and gradient norm were checked")
+                self.untraced_failure = failure
+            if rec.skipped or not d.optimizer_ran:
+                return  # the weights did not change: trace the next occurrence, do not stop
         self.problem = problem
         origin_step = d
         if problem == "collapse":

@@ -79,6 +79,8 @@ class LossObserver(Part):
             self.cur.scaled_backward = any(r() is tensor for r in self.cur.scaled_losses)
             if not self.cur.scaled_backward:
                 self._record_loss(tensor, "loss")
+            if self.s._full:
+                self.s.autograd.hook_casts(tensor)
             self.cur.did_backward = True
 
     def _wrap_scale(self, original: Any) -> Any:

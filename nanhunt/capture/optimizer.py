@@ -132,7 +132,10 @@ class OptimizerObserver(Part):
 
         def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:
             obs.s._optimizer_exists = True  # micro-batches before its first step are one step
-            return original(optimizer, *args, **kwargs)
+            out = original(optimizer, *args, **kwargs)
+            if obs.s._first_optimizer is None or obs.s._first_optimizer() is None:
+                obs.s._first_optimizer = weakref.ref(optimizer)  # whose lr the steps record
+            return out
 
         __init__.__wrapped__ = original  # type: ignore[attr-defined]
         return __init__

@@ -3,6 +3,7 @@ buffer of decoded steps, the step timeline and the per-module ranges."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from typing import Any
@@ -12,7 +13,15 @@ import torch
 
 from .. import stats as _stats
 from ..formats import NumberFormat
-from ..trace import LayerStats, LayerStep, ScalerEvent, StepRecord, TensorRecord, TensorStats
+from ..trace import (
+    CastCounts,
+    LayerStats,
+    LayerStep,
+    ScalerEvent,
+    StepRecord,
+    TensorRecord,
+    TensorStats,
+)
 from .state import _LayerAcc, _merge_rows, _Meta, _StepData
 
 _HIST_OFFSET = 320  # gradient histograms span binades -320..319 (room to unscale)
@@ -48,6 +57,8 @@ class Recorder:
         # step -> module -> [forward row, backward row, dtypes]: the last LAYER_STEPS steps
         self.by_step: dict[int, dict[str, list[Any]]] = {}
         self.grad_hist: dict[str, np.ndarray] = {}
+        # module -> CastCounts of its output gradient at a down-cast, over the recorded steps
+        self.casts: dict[str, CastCounts] = {}
 
     def begin_step(self, step: int) -> None:
         """Rows still queued from the last step stay; the flushed ones are dropped."""
@@ -69,6 +80,18 @@ class Recorder:
         """A device scalar of the step now recorded (loss, scale, found_inf, gradient norm)."""
         self.pending_scalars.append(value.detach().reshape(-1)[:1].double())
         self.pending_scalar_keys.append((self.step, key))
+
+    def cast_counts(self, owner: str, numel: int, counts: torch.Tensor, source_dtype: str,
+                    dtype: str) -> None:
+        """A down-cast's counts (source zeros, flushed, subnormal, source amax) as device
+        scalars: they cross with the step's one transfer."""
+        cc = self.casts.get(owner)
+        if cc is None:
+            cc = self.casts[owner] = CastCounts(source_dtype=source_dtype, dtype=dtype)
+        cc.values += numel  # known on the host
+        for i, name in enumerate(("source_zero", "flushed", "subnormal", "source_amax")):
+            self.pending_scalars.append(counts[i:i + 1])
+            self.pending_scalar_keys.append((self.step, f"cast\0{owner}\0{name}"))
 
     def discard_step(self, step: int) -> None:
         """Drop the rows and scalars still queued for ``step`` (no step of its own)."""
@@ -140,6 +163,13 @@ class Recorder:
                 d.found_inf = bool(value > 0)
             elif key == "grad_sumsq":  # one per optimizer that stepped
                 d.grad_sumsq = (d.grad_sumsq or 0.0) + float(value)
+            elif key.startswith("cast\0"):
+                _, owner, name = key.split("\0")
+                cc = self.casts[owner]
+                if name == "source_amax":
+                    cc.source_amax = max(cc.source_amax, float(value))
+                else:
+                    setattr(cc, name, getattr(cc, name) + int(value))
         arrived = []
         for meta, row in zip(new, matrix):
             if meta.approx is not None:
@@ -182,6 +212,10 @@ class Recorder:
             self._add_step_row(meta, owner, 1, row)
         elif meta.role == "param_grad":
             acc.param_grad = _merge_rows(acc.param_grad, row)
+            acc.pgrad_dtypes.add(meta.dtype)
+            # per step too: which module's gradients grow first (exploding gradients)
+            acc.pgrad_by_step[meta.step] = max(acc.pgrad_by_step.get(meta.step, 0.0),
+                                               float(row[5]))
         elif meta.role == "param":
             acc.param_by_step[meta.step] = max(acc.param_by_step.get(meta.step, 0.0),
                                                float(row[5]))
@@ -243,7 +277,8 @@ class Recorder:
 
     def prune_history(self, oldest: int) -> None:
         for acc in self.accs.values():
-            for by_step in (acc.fwd_by_step, acc.bwd_by_step, acc.param_by_step):
+            for by_step in (acc.fwd_by_step, acc.bwd_by_step, acc.param_by_step,
+                            acc.pgrad_by_step):
                 for k in [k for k in by_step if k < oldest]:
                     del by_step[k]
 
@@ -281,19 +316,23 @@ class Recorder:
                             mutated=m.mutated)
 
     def layer_stats(self, acc: _LayerAcc) -> LayerStats:
-        def conv(row: np.ndarray | None) -> TensorStats | None:
+        def conv(row: np.ndarray | None, dtypes: set[str] | None = None) -> TensorStats | None:
             if row is None:
                 return None
-            return _stats.decode(row, "mixed" if len(acc.dtypes) > 1 else
-                                 next(iter(acc.dtypes), "float32"), [], self.format)
+            dtypes = acc.dtypes if dtypes is None else dtypes
+            return _stats.decode(row, "mixed" if len(dtypes) > 1 else
+                                 next(iter(dtypes), "float32"), [], self.format)
 
         return LayerStats(
             module=acc.module, type=acc.type, calls=acc.calls, dtypes=sorted(acc.dtypes),
             forward=conv(acc.forward), backward=conv(acc.backward),
-            param_grad=conv(acc.param_grad),
+            # the parameters' own dtype, not the outputs' (fp32 weights under fp16 autocast)
+            param_grad=conv(acc.param_grad, acc.pgrad_dtypes),
             forward_amax_by_step=dict(acc.fwd_by_step),
             backward_amax_by_step=dict(acc.bwd_by_step),
             param_amax_by_step=dict(acc.param_by_step),
+            param_grad_amax_by_step=dict(acc.pgrad_by_step),
+            grad_cast=copy.copy(self.casts.get(acc.module)),
         )
 
     def records(self, step: int | None = None) -> list[TensorRecord]:

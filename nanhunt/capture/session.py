@@ -145,6 +145,7 @@ class Session:
         self._in_closure = 0  # depth of optimizer closures running (LBFGS, Lightning)
         self._optimizers_seen: set[int] = set()
         self._optimizer_exists = self._optimizer_ref is not None
+        self._first_optimizer: weakref.ref | None = None  # the first one the script made
         self._begin_step_state()
 
     def _compose(self) -> None:
@@ -158,6 +159,9 @@ class Session:
         self.cur = StepState(self.keep_tensors)
         self.recorder.begin_step(self._step)
         self._full = self._step % self.sample_every == 0 or bool(self.judge.problem_steps)
+        self.cur.traced = self._full
+        if self._full:
+            self.judge.traced_steps.add(self._step)
         self._step_begun()
 
     def _step_begun(self) -> None:
@@ -185,7 +189,8 @@ class Session:
 
     @property
     def first_failure(self) -> Failure | None:
-        return self.judge.first_failure
+        # a failure on a step sampled mode did not trace, until (unless) a traced step fails
+        return self.judge.first_failure or self.judge.untraced_failure
 
     @property
     def problem(self) -> str | None:
@@ -373,7 +378,9 @@ class Session:
         if not self.cur.transferred:
             self._flush()
         self._target_auto = False  # one format for the whole run
-        self.recorder.step_record(self._step)
+        rec = self.recorder.step_record(self._step)
+        rec.traced = self.cur.traced
+        rec.lr = self._current_lr()
         self.cur.clear_handles()
         if self.on_step is not None:
             self.on_step(self.recorder.step_records[self._step], self)
@@ -386,6 +393,19 @@ class Session:
                           "where the first non-finite value appeared")
         if self.max_steps is not None and self._step >= self.max_steps:
             raise StopRun(f"nanhunt stopped the script after {self._step} steps (--max-steps)")
+
+    def _current_lr(self) -> float | None:
+        """The first optimizer's learning rate, read on the host: a scheduler that advances on
+        steps GradScaler skipped shows as an lr that moves while nothing was applied."""
+        ref = self._optimizer_ref or self._first_optimizer
+        opt = ref() if ref is not None else None
+        if opt is None or not getattr(opt, "param_groups", None):
+            return None
+        lr = opt.param_groups[0].get("lr")
+        if isinstance(lr, torch.Tensor):
+            # a tensor lr on an accelerator would cost a sync: skip it
+            return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else None
+        return float(lr) if isinstance(lr, (int, float)) else None
 
     def _flush(self, norm: bool = True) -> None:
         """Move every queued row to the host in one transfer and digest it."""
@@ -409,18 +429,27 @@ class Session:
         failure = copy.deepcopy(self.first_failure)
         if failure is not None and self.failure_extra.get("bad_samples"):
             failure.bad_samples = dict(self.failure_extra["bad_samples"])
+        notes = [f"nanhunt stopped tracing after an internal error: {e}"
+                 for e in self.internal_errors]
+        untraced = self.judge.untraced_failure
+        if failure is None and untraced is not None:
+            failure = copy.deepcopy(untraced)  # it never recurred: its origin was not observed
+        elif failure is not None and untraced is not None and untraced.step < failure.step:
+            notes.append(
+                f"step {untraced.step} went non-finite ({untraced.tensor}) but --sample-every "
+                "had not traced it; nanhunt traced the steps after it fully and located the "
+                f"first failure there, at step {failure.step}")
         return Trace(
             run=run,
             steps=copy.deepcopy(self.steps),
             layers=self.layers,
             first_failure=failure,
-            problem=self.first_failure is not None,
+            problem=failure is not None,
             facts=list(self.facts),
             scaler_events=list(self.scaler_events),
             grad_hist=self.grad_histograms(),
             layer_steps=self.recorder.layer_steps(),
-            notes=[f"nanhunt stopped tracing after an internal error: {e}"
-                   for e in self.internal_errors],
+            notes=notes,
             optimizers=copy.deepcopy(list(self.optimizer_infos.values())),
             loop_calls=copy.deepcopy(list(self.loop_calls.values())),
             crash=copy.deepcopy(self.crash),

@@ -94,6 +94,8 @@ class _LayerAcc:
     fwd_by_step: dict[int, float] = field(default_factory=dict)
     bwd_by_step: dict[int, float] = field(default_factory=dict)
     param_by_step: dict[int, float] = field(default_factory=dict)
+    pgrad_by_step: dict[int, float] = field(default_factory=dict)  # as stored (scaled)
+    pgrad_dtypes: set[str] = field(default_factory=set)  # float32 master grads under autocast
 
 
 def _merge_rows(acc: np.ndarray | None, row: np.ndarray) -> np.ndarray:
@@ -162,6 +164,7 @@ class StepState:
         self.scaled_losses: list[weakref.ref] = []  # by identity: ids of freed ones are reused
         self.transferred = False
         self.step_scaler = False
+        self.traced = True  # the step began with full tracing (not skipped by --sample-every)
         # (id(optimizer), its copy before this step's update): kept if the update goes bad
         self.optimizer_copy: tuple[int, OptimizerSnapshot] | None = None
 

@@ -212,7 +212,16 @@ def _problem_text(trace: Trace) -> str:
     kind = (diag.kind if diag else "") or "non-finite value"
     kind = kind.replace("_", " ")
     ff = trace.first_failure
-    if ff is not None:
+    if diag is not None and diag.rule == "untraced-step" and ff is not None:
+        return f"non-finite {ff.tensor} at step {ff.step}: origin not observed (step not traced)"
+    if diag is not None and ff is not None and (diag.phase or diag.module):
+        # the cause, not where the symptom surfaced: a collapse caused by a backward op is
+        # that op's, in backward; a misused GradScaler is the loop's line, not a module
+        phase = diag.phase or ff.phase
+        step = diag.step if diag.step is not None else ff.step
+        module = diag.module if diag.phase else diag.module or ff.module
+        tensor = diag.tensor if diag.phase and diag.phase != ff.phase else ff.tensor
+    elif ff is not None:
         phase, step, module, tensor = ff.phase, ff.step, ff.module, ff.tensor
     elif diag is not None:
         phase, step, module, tensor = diag.phase, diag.step, diag.module, diag.tensor
@@ -226,6 +235,10 @@ def _problem_text(trace: Trace) -> str:
     text = " ".join(parts)
     if module:
         text += f", module {module}"
+        if ff is not None and ff.op and diag is not None and diag.kind == "nan_op":
+            text += f" ({ff.op.removesuffix('.default')})"
+    elif diag is not None and diag.data.get("source"):
+        text += f", at {diag.data['source']}"  # the user's line (loop misuse, a constant)
     elif tensor:
         text += f", tensor {tensor}"
     elif diag is not None and not ff:
@@ -255,20 +268,34 @@ def same_place(a: Failure, b: Failure) -> bool:
     return (a.step, a.phase, a.module, a.tensor) == (b.step, b.phase, b.module, b.tensor)
 
 
+def shape_text(stats: TensorStats) -> str:
+    """``64×512``; ``scalar`` for a 0-d tensor (a loss); ``?`` when the shape was not kept."""
+    if stats.shape:
+        return "×".join(str(d) for d in stats.shape)
+    return "scalar" if stats.numel == 1 else "?"
+
+
 def values_summary(stats: TensorStats, fmt: NumberFormat) -> list[str]:
     """Short phrases describing a tensor's values against the target format."""
-    out = [f"amax {fmt_num(stats.amax)}"]
+    finite = stats.numel - stats.nonfinite
+    out = [f"amax {fmt_num(stats.amax)}" if finite else "no finite value"]
     if stats.posinf or stats.neginf:
         out.append(f"{fmt_count(stats.posinf)} +inf, {fmt_count(stats.neginf)} -inf")
     else:
         out.append("0 inf")
     out.append(f"{fmt_count(stats.nan)} nan")
-    if stats.overflow:
-        out.append(f"{fmt_count(stats.overflow)} over {fmt.name} max")
+    if stats.overflow:  # finite values only; NaN/inf are counted above
+        out.append(f"{fmt_count(stats.overflow)} finite over {fmt.name} max")
     elif not stats.nonfinite:
         out.append(f"headroom {fmt_binades(stat_headroom(stats, fmt))} binades")
+    if stats.zero:
+        out.append(f"{fmt_count(stats.zero)} exact zeros")
     if stats.underflow:
-        out.append(f"{fmt_pct(stats.underflow_fraction)} subnormal or flushed")
+        n = stats.underflow - stats.flushed
+        if n:
+            out.append(f"{fmt_count(n)} subnormal in {fmt.name}")
+        if stats.flushed:
+            out.append(f"{fmt_count(stats.flushed)} would flush to zero in {fmt.name}")
     return out
 
 

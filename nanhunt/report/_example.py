@@ -68,7 +68,7 @@ def _stats(
         zero=zero,
         amax=amax,
         amin=amin,
-        overflow=nonfinite,
+        overflow=0,  # finite values above the max; the non-finite ones are counted apart
         underflow=underflow,
         flushed=flushed,
         headroom=-math.inf if nonfinite else _FP16.headroom_binades(amax),

@@ -37,6 +37,7 @@ from ._common import (
     rank_status,
     ranked_warnings,
     scaler_notes,
+    shape_text,
     target_format,
     try_line,
     verdict,
@@ -299,7 +300,7 @@ def _failure(ff: Failure, fmt: NumberFormat) -> str:
             line = f'<pre class="src-line"><code>{_highlight(ff.source_line.strip())}</code></pre>'
         source = f'<div class="source">{loc}{line}</div>'
     s = ff.stats
-    shape = "×".join(str(d) for d in s.shape) if s.shape else "?"
+    shape = shape_text(s)
     stats = [
         ("amax", fmt_num(s.amax), ""),
         ("+inf", fmt_count(s.posinf), "bad" if s.posinf else ""),
@@ -308,7 +309,12 @@ def _failure(ff: Failure, fmt: NumberFormat) -> str:
     ]
     if not s.nonfinite:
         stats.append(("headroom", fmt_binades(fmt.headroom_binades(s.amax)) + " binades", ""))
-    stats.append(("underflow", fmt_pct(s.underflow_fraction), "warn" if s.underflow else ""))
+    # counted apart: exact zeros, subnormal values, values below the smallest subnormal
+    stats.append(("exact zeros", fmt_count(s.zero), ""))
+    stats.append(("subnormal", fmt_count(s.underflow - s.flushed),
+                  "warn" if s.underflow - s.flushed else ""))
+    if s.flushed:
+        stats.append(("would flush", fmt_count(s.flushed), "warn"))
     stat_html = "".join(
         f'<div class="stat {c}"><span class="stat-v">{esc(v)}</span>'
         f'<span class="stat-k">{esc(k)}</span></div>'
@@ -318,7 +324,7 @@ def _failure(ff: Failure, fmt: NumberFormat) -> str:
     if ff.bad_samples:
         samples = "; ".join(f"{k}: {bad_samples_text(v)}" for k, v in ff.bad_samples.items())
         detail += f'<p class="detail">Samples with non-finite values: {esc(samples)}</p>'
-    over = f", {fmt_count(s.overflow)} over the max" if s.overflow else ""
+    over = f", {fmt_count(s.overflow)} finite values over the max" if s.overflow else ""
     inner = (
         f'<div class="kv-row">{cells}</div>{source}'
         f'<div class="stats">{stat_html}</div>'

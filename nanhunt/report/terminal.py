@@ -43,6 +43,7 @@ from ._common import (
     rank_status,
     ranked_warnings,
     scaler_notes,
+    shape_text,
     target_format,
     try_line,
     values_summary,
@@ -189,7 +190,7 @@ def _failure(ff: Failure, fmt: NumberFormat) -> Table:
     if ff.source_line:
         grid.add_row("", Text("› " + ff.source_line.strip(), style="bold"))
     s = ff.stats
-    shape = "×".join(str(d) for d in s.shape) if s.shape else "?"
+    shape = shape_text(s)
     grid.add_row("tensor", Text(f"{s.dtype} [{shape}], {s.numel:,} values"))
     grid.add_row("values", Text(", ".join(values_summary(s, fmt)), style="red"))
     grid.add_row("limit", Text(f"{fmt.name} max {fmt.max:g}"))

@@ -18,7 +18,9 @@ EXPECTED = {
                          "torch.log(", "clamp"),
     "sqrt_backward.py": (2, "backward", "norm", "grad_input[0]", "nan_op", "aten.div",
                          "torch.sqrt(", "clamp"),
-    "scale_collapse.py": (0, "loss_scaling", "pdist", "grad_input[0]", "loss_scale", "aten.div",
+    # the collapse is where the capture saw it (loss_scaling); the diagnosis is the op that
+    # causes it, in backward
+    "scale_collapse.py": (0, "loss_scaling", "pdist", "grad_input[0]", "nan_op", "aten.div",
                           "torch.sqrt(", "clamp"),
     "nan_batch.py": (3, "data", "model", "input[0]", "bad_input", None, None, None),
     "high_lr.py": (2, "optimizer", "head", "head.weight", "lr_too_high", None, None, None),
@@ -46,6 +48,8 @@ def test_example_is_diagnosed(run_cli, reports, script):
     assert (f["step"], f["phase"], f["module"], f["tensor"]) == (step, phase, module, tensor)
     assert report["diagnosis"]["kind"] == kind
     assert report["diagnosis"]["evidence"]
+    if script == "scale_collapse.py":
+        assert report["diagnosis"]["phase"] == "backward"
     if op:
         assert f["op"] == op
         assert fragment in f["source_line"]

@@ -502,7 +502,11 @@ def test_healthy_run_gets_no_recommendations():
     for s, scale in zip(t.steps, scales):
         s.scale = scale
     t = advised(t)
-    assert (t.diagnosis, t.warnings, t.recommendations) == (None, [], [])
+    assert t.diagnosis is None
+    # three calibration skips: one warning and the init_scale the scale settled at (8192)
+    assert [w.rule for w in t.warnings] == ["skip-streak"]
+    (rec,) = t.recommendations
+    assert (rec.type, rec.value) == ("init_scale", 8192.0)
 
 
 def test_advise_runs_diagnose_when_needed_and_orders_by_relevance():
@@ -581,7 +585,8 @@ def test_a_nan_collapse_gets_no_float32_or_clipping_advice():
     for s, scale in zip(t.steps, scales):
         s.scale = scale
     t = advised(t)
-    assert t.diagnosis.kind == "loss_scale"
+    # the op is the cause (phase backward), the collapse its evidence
+    assert (t.diagnosis.kind, t.diagnosis.phase) == ("nan_op", "backward")
     assert [r.type for r in t.recommendations] == ["clamp"]
     assert t.recommendations[0].snippet == (
         "# train.py:5: return ((a - b) ** 2).sum(-1).sqrt()\n"

@@ -11,6 +11,7 @@ import pytest
 
 from nanhunt.trace import (
     SCHEMA_VERSION,
+    CastCounts,
     Failure,
     Finding,
     FixTry,
@@ -37,6 +38,7 @@ SECTIONS = {
     StepRecord: "StepRecord",
     ScalerEvent: "ScalerEvent",
     LayerStats: "LayerStats",
+    CastCounts: "CastCounts",
     LayerStep: "LayerStep",
     TensorStats: "TensorStats",
     Failure: "Failure",
