@@ -13,6 +13,8 @@ rounds), so drift in the machine's load reaches every variant alike. The variant
 ``plain``            the step alone
 ``nanhunt``          one :class:`nanhunt.Hunt` per block, full per-layer statistics every step
 ``nanhunt-sampled``  the same with ``sample_every=N`` (``--sample-every``, default 10)
+``sentinel``         one :func:`nanhunt.sentinel` per block: cheap checks every step, a replay
+                     with full tracing only when a step fails (none does here)
 ``detect_anomaly``   ``torch.autograd.detect_anomaly(check_nan=True)`` around the block
 ``naive``            a global forward hook calling ``out.isfinite().all().item()`` per module
 
@@ -53,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import nanhunt
 
 SCHEMA_VERSION = 1
-VARIANTS = ("plain", "nanhunt", "nanhunt-sampled", "detect_anomaly", "naive")
+VARIANTS = ("plain", "nanhunt", "nanhunt-sampled", "sentinel", "detect_anomaly", "naive")
 MODELS = ("mlp", "transformer", "cnn")
 PRECISIONS = ("fp32", "fp16")
 # On a CPU, fp16 matrix products are emulated (about 50x slower than fp32 here), so fp16 runs
@@ -226,6 +228,9 @@ def variant_context(name: str, w: Workload, sample_every: int) -> Iterator[Any]:
             w.model, w.optimizer, w.scaler, target="float16", sample_every=every
         ) as hunt:
             yield hunt
+    elif name == "sentinel":
+        with nanhunt.sentinel(w.model, w.optimizer, w.scaler, out=None) as sentinel:
+            yield sentinel
     elif name == "detect_anomaly":
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
@@ -261,7 +266,7 @@ class Samples:
 def run_block(w: Workload, variant: str, steps: int, sample_every: int, out: Samples) -> None:
     with variant_context(variant, w, sample_every) as hunt:
         for _ in range(steps):
-            full = hunt is not None and hunt.step % hunt.sample_every == 0
+            full = isinstance(hunt, nanhunt.Hunt) and hunt.step % hunt.sample_every == 0
             _sync(w.device)
             t0, c0 = time.perf_counter(), time.process_time()
             w.step()
@@ -400,7 +405,7 @@ def measure_memory(w: Workload, steps: int, sample_every: int) -> dict[str, Any]
 def _hunt_buffers(hunt: nanhunt.Hunt) -> dict[str, int]:
     layers = hunt.layers
     return {
-        "ring_steps": len(getattr(hunt, "_steps", ())),
+        "ring_steps": len(hunt.recorder.ring),
         "keep_steps": hunt.keep_steps,
         "step_records": len(hunt.steps),
         "layers": len(layers),
@@ -681,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
             f"[dim]{model} {precision}: done at {time.perf_counter() - started:.0f} s[/dim]"
         )
         if device.type == "cuda":
-            for v in ("plain", "nanhunt", "nanhunt-sampled"):
+            for v in ("plain", "nanhunt", "nanhunt-sampled", "sentinel"):
                 n = max(args.sample_every, args.steps)
                 syncs.append(
                     {

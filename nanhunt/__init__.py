@@ -15,14 +15,27 @@ from .errors import NanhuntError
 from .formats import FORMATS, get_format
 
 if TYPE_CHECKING:
-    from .capture import Hunt, watch
+    from .capture import Hunt, Sentinel, StopRun, sentinel, watch
     from .precision import audit
 
-__all__ = ["FORMATS", "Hunt", "NanhuntError", "__version__", "audit", "get_format", "watch"]
+__all__ = [
+    "FORMATS",
+    "Hunt",
+    "NanhuntError",
+    "Sentinel",
+    "StopRun",
+    "__version__",
+    "audit",
+    "get_format",
+    "sentinel",
+    "watch",
+]
 
-# Hunt and watch need torch; importing them on first use keeps `nanhunt --help`, usage errors
-# and `nanhunt report` (all torch-free) from paying torch's import time (about a second).
-_LAZY = {"Hunt": "capture", "watch": "capture", "audit": "precision"}
+# Hunt, watch, the sentinel and audit need torch; importing them on first use keeps
+# `nanhunt --help`, usage errors and `nanhunt report` (all torch-free) from paying torch's import
+# time (about a second).
+_LAZY = {**dict.fromkeys(("Hunt", "Sentinel", "StopRun", "sentinel", "watch"), "capture"),
+         "audit": "precision"}
 
 
 def __getattr__(name: str) -> Any:

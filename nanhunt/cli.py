@@ -106,6 +106,8 @@ def cmd_diagnose(argv: Sequence[str]) -> int:
                                                             opts.nproc_per_node)):
         if value is not None and value < 1:
             raise NanhuntError(f"{name} must be at least 1")
+    if opts.mode == "sentinel" and opts.sample_every != 1:
+        raise NanhuntError("--sample-every applies to --mode full only")
     if opts.verify < 0:
         raise NanhuntError("--verify must be 0 or more")
     from .fixspec import parse_fix
@@ -166,15 +168,18 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
         if hunt.first_failure is not None and not failed_at:
             failed_at.append(time.monotonic() - _STARTED)
 
-    hunt = Hunt(
-        target=opts.target,
-        keep_steps=opts.keep_steps,
-        allow_inf=opts.allow_inf,
-        sample_every=opts.sample_every,
-        stop_on_problem=not opts.keep_going,
-        max_steps=opts.max_steps,
-        on_step=ctx.step_hook(on_step),  # distributed: every rank stops at the same step
-    )
+    common = {"target": opts.target, "keep_steps": opts.keep_steps,
+              "allow_inf": opts.allow_inf, "max_steps": opts.max_steps,
+              # distributed: every rank stops at the same step
+              "on_step": ctx.step_hook(on_step)}
+    if opts.mode == "sentinel":
+        from .capture import Sentinel
+
+        # the reports are written below, after the run, as for full tracing
+        hunt: Any = Sentinel(out=None, stop=not opts.keep_going, **common)
+    else:
+        hunt = Hunt(sample_every=opts.sample_every, stop_on_problem=not opts.keep_going,
+                    **common)
     run = _run_info(argv, target.argv0, torch.__version__)
     run.world_size = ctx.world_size
     old_term = None

@@ -77,6 +77,9 @@ def diagnose_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     p.add_argument("--sample-every", type=int, default=1, metavar="N",
                    help="full statistics every N steps, a cheap finite check otherwise")
+    p.add_argument("--mode", choices=("full", "sentinel"), default="full",
+                   help="full: trace every step; sentinel: cheap checks every step, the "
+                        "failing step replayed with full tracing (default: %(default)s)")
     p.add_argument("--keep-steps", type=int, default=64, metavar="N",
                    help="steps of detailed records kept in memory (default: %(default)s)")
     p.add_argument("--all", action="store_true", dest="show_all",
@@ -97,7 +100,7 @@ def diagnose_parser() -> argparse.ArgumentParser:
 
 #: the diagnose options that take a value: split_argv must skip the value, not stop at it
 VALUE_OPTIONS = {"--out", "--target", "--max-steps", "--allow-inf", "--sample-every",
-                 "--keep-steps", "--nproc-per-node", "--fix", "--verify"}
+                 "--keep-steps", "--nproc-per-node", "--fix", "--verify", "--mode"}
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], str | None, str | None, list[str]]:

@@ -490,6 +490,7 @@ class RunInfo:
     # setting, e.g. Lightning's "bf16-mixed") | default (nothing ran in low precision)
     target_source: str = ""
     framework: str = ""  # "lightning 2.6.6", "transformers 5.24.0" when a callback recorded it
+    mode: str = "full"  # full | sentinel: how the steps were watched
     fixes: list[str] = field(default_factory=list)  # --fix specs installed in this run
     rerun: bool = False  # a verification re-run (NANHUNT_RERUN=1)
 

@@ -13,7 +13,11 @@ Layout (which file owns which hook):
 - :mod:`.recorder`: queued rows, the per-step transfer, the ring buffer, timeline, layer ranges;
 - :mod:`.judge`: problem per step, first failure; :mod:`.snapshot`: the culprit's copy;
 - :mod:`.naming`: module and parameter names; :mod:`.state`: shared records and step state;
-- :mod:`.session`: :class:`Hunt` (full tracing) and :func:`watch`.
+- :mod:`.session`: :class:`Session` (the ExitStack, step boundaries), :class:`Hunt` (full
+  tracing) and :func:`watch`;
+- :mod:`.keep`: the sentinel's cheap parts (root inputs, loss and targets kept by reference; one
+  fused gradient check); :mod:`.replay`: a kept step replayed under a Hunt on copies;
+  :mod:`.sentinel`: :class:`Sentinel`, the cheap composition, and :func:`sentinel`.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from ._util import (  # noqa: F401
     tensor_leaves,
 )
 from .recorder import _HIST_OFFSET, HISTORY  # noqa: F401
-from .session import _LOCK, Hunt, StopRun, watch  # noqa: F401
+from .sentinel import Sentinel, sentinel
+from .session import _LOCK, Hunt, Session, StopRun, watch  # noqa: F401
 from .state import (  # noqa: F401
     Snapshot,
     StepState,
@@ -55,7 +60,7 @@ from .state import (  # noqa: F401
     _StepData,
 )
 
-__all__ = ["Hunt", "StopRun", "watch"]
+__all__ = ["Hunt", "Sentinel", "Session", "StopRun", "sentinel", "watch"]
 
 
 

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import linecache
+import math
 import os
 import sys
 import sysconfig
@@ -124,6 +125,24 @@ def _foreach_norm(tensors: list[torch.Tensor], ord: float) -> tuple[torch.Tensor
         return torch._foreach_norm(tensors, ord, dtype=torch.float32)
     except (TypeError, RuntimeError):  # older torch: no dtype argument
         return tuple(t.detach().float().norm(ord) for t in tensors)
+
+
+def _foreach_amax(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's largest |x| as float64 on their (one) device: NaN when it holds a NaN,
+    inf when an inf. On a CPU one aminmax pass per tensor (the CPU's inf-norm kernel is about
+    15x slower); elsewhere one fused norm kernel."""
+    if tensors and tensors[0].device.type == "cpu":
+        lo, hi = [], []
+        for t in tensors:
+            if t.numel() == 0:
+                lo.append(t.new_zeros(()))
+                hi.append(t.new_zeros(()))
+                continue
+            mn, mx = torch.aminmax(t.detach())
+            lo.append(mn)
+            hi.append(mx)
+        return torch.maximum(torch.stack(hi).double(), -torch.stack(lo).double())
+    return torch.stack(_foreach_norm(tensors, math.inf)).double()
 
 
 def _call_leaves(args: Any, kwargs: dict | None) -> list[tuple[str, torch.Tensor]]:

@@ -29,6 +29,7 @@ class Judge:
         self.last_counted_skip = -1
         self.problem_steps: list[int] = []
         self.failure_order = self.origin_order = 0
+        self.dismissed: set[int] = set()  # steps that may no longer become the first failure
         # sampled mode: steps that ran with full tracing; a failure on another step is not
         # located there (only its loss and gradient norm were seen) but traced again at its next
         # occurrence when that step left the weights unchanged
@@ -82,7 +83,7 @@ class Judge:
         rec.nonfinite = True
         if d.index not in self.problem_steps:
             self.problem_steps.append(d.index)
-        if self.first_failure is not None:
+        if self.first_failure is not None or d.index in self.dismissed:
             return
         if d.index not in self.traced_steps and self.untraced_failure is None:
             failure = self.locate(d, problem)  # what the cheap check saw: not an origin

@@ -48,14 +48,18 @@ class LossObserver(Part):
                 if isinstance(target, torch.Tensor) and _stats.summarizable(target) \
                         and self.cur.lookup(target) is None:
                     op = type(node).__name__.removesuffix("Backward0").removesuffix("Backward")
-                    idx = self.rec.queue(target, _Meta(
-                        step=self.s._step, order=self.cur.next_order(), phase="data", module="",
-                        tensor=f"target of {op}", role="input",
-                        dtype=str(target.dtype).removeprefix("torch."),
-                        shape=tuple(target.shape)))
-                    self.cur.remember(target, idx)
-                    self.cur.targets[idx] = target
+                    self.on_target(target, op)
             todo.extend(fn for fn, _ in node.next_functions)
+
+    def on_target(self, target: torch.Tensor, op: str) -> None:
+        """A loss target found in the loss's graph: one data row (a replay calls this with the
+        targets a sentinel kept)."""
+        idx = self.rec.queue(target, _Meta(
+            step=self.s._step, order=self.cur.next_order(), phase="data", module="",
+            tensor=f"target of {op}", role="input",
+            dtype=str(target.dtype).removeprefix("torch."), shape=tuple(target.shape)))
+        self.cur.remember(target, idx)
+        self.cur.targets[idx] = target
 
     def _wrap_backward(self, original: Any) -> Any:
         obs = self

@@ -28,6 +28,10 @@ class Naming:
         self._primary_root: weakref.ref | None = None
         self._lazy = False  # a lazy module's parameters still await their first forward
 
+    def is_primary(self, root: nn.Module) -> bool:
+        """Whether ``root`` is the model whose modules are named without a prefix."""
+        return self._primary_root is not None and self._primary_root() is root
+
     def release(self) -> None:
         """Drop every reference to the user's modules (the types stay for the layer table)."""
         # names by id, for a crash's traceback (whose frames keep those modules alive)

@@ -14,7 +14,7 @@ from torch.optim import optimizer as _O
 
 from .. import stats as _stats
 from ..trace import OptimizerInfo
-from ._util import _foreach_norm, _safe, patch, user_frame
+from ._util import _foreach_amax, _foreach_norm, _safe, patch, user_frame
 from .state import OptimizerSnapshot, Part, _Meta
 
 #: parameter formats whose optimizer steps are copied before they run (to replay a failing one)
@@ -49,9 +49,12 @@ class OptimizerObserver(Part):
     to change); after it, each updated parameter's amax and finiteness from one fused kernel per
     device; the gradient norm the optimizer stepped on."""
 
-    def __init__(self, session: Any) -> None:
+    def __init__(self, session: Any, *, check_params: bool = True,
+                 measure_grads: bool = True) -> None:
         super().__init__(session)
         self._closure: _Closure | None = None
+        self.check_params = check_params  # rows for the updated parameters
+        self.measure_grads = measure_grads  # the gradient norm, unless measured already
 
     def install(self, stack: Any) -> None:
         stack.enter_context(_O.register_optimizer_step_pre_hook(self._on_opt_pre))
@@ -78,7 +81,7 @@ class OptimizerObserver(Part):
         # (args[0] is the optimizer itself: a positional closure is args[1])
         closure = callable(kwargs.get("closure")) or (len(args) > 1 and callable(args[1]))
         if self.s.keep_tensors and self.judge.first_failure is None and not closure and \
-                self.s.optimizer_snapshot is None:
+                self.s.optimizer_snapshot is None and self.check_params:
             self._copy_before_step(optimizer)
         self.s._optimizer_ran_step = self.s._step
         self.rec.data_for(self.s._step).optimizer_ran = True  # known on the host: no transfer
@@ -110,7 +113,7 @@ class OptimizerObserver(Part):
             self.s._flush(norm=closure is None or not closure.calls)
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None and _stats.summarizable(p) and not p.is_sparse]
-        if params:
+        if params and self.check_params:
             finite = self._queue_params(params)
             pending = self.cur.optimizer_copy
             if pending is not None and pending[0] == id(optimizer):
@@ -222,7 +225,7 @@ class OptimizerObserver(Part):
             by_device.setdefault(p.device, []).append(p)
         finite = []
         for device, ps in by_device.items():
-            norms = torch.stack(_foreach_norm(ps, math.inf)).double()
+            norms = _foreach_amax(ps)
             finite.append(torch.isfinite(norms).all().reshape(1).cpu()
                           if self.cur.optimizer_copy is not None else
                           torch.ones(1, dtype=torch.bool))
@@ -250,6 +253,9 @@ class OptimizerObserver(Part):
         if self.cur.clip_norm is not None:  # clip_grad_norm_ measured it already, unclipped
             self.rec.scalar(self.cur.clip_norm.double().pow(2), "grad_sumsq")
             self.cur.clip_norm, self.cur.grad_params, self.cur.opt_params = None, {}, None
+            return
+        if not self.measure_grads:
+            self.cur.grad_params, self.cur.opt_params = {}, None
             return
         params = self.cur.opt_params if self.cur.opt_params is not None else \
             self.cur.grad_params.values()

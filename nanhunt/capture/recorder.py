@@ -188,6 +188,8 @@ class Recorder:
                 self.accumulate(meta, row, d)
 
     def accumulate(self, meta: _Meta, row: np.ndarray, d: _StepData) -> None:
+        if meta.approx is not None and meta.role != "param":
+            return  # a flags-only row (a sentinel's gradient check): no range to add
         if meta.phase == "backward":
             self.add_grad_hist(meta.dtype, row, d.scale)
         for owner in (meta.owner, *meta.also_owners):

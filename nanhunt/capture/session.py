@@ -61,33 +61,12 @@ class StopRun(BaseException):
     """Raised out of a training step to stop the script once the failing step is captured."""
 
 
-class Hunt:
-    """Watch training steps and find the first non-finite value, with per-layer ranges.
+class Session:
+    """A capture session: the parts it composes (:meth:`_compose`), one ExitStack owning every
+    hook and patch they install, the step in flight (:attr:`cur`) and where steps end.
 
-    Use it as a context manager around one failing step or a whole loop, or call
-    :meth:`start` and :meth:`stop`::
-
-        import torch, nanhunt
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with nanhunt.watch(model, opt) as hunt:
-            for _ in range(3):
-                opt.zero_grad()
-                model(torch.randn(8, 4)).pow(2).mean().backward()
-                opt.step()
-        print(hunt.first_failure)          # None: every value was finite
-        print(hunt.steps[-1].loss)         # the last step's loss
-        print(hunt.layers[0].module)       # per-module ranges, execution order
-
-    Reading the result: ``first_failure`` names the step (0-based), the phase (``data``,
-    ``forward``, ``backward``, ``optimizer``, ``loss_scaling``), the module's qualified name
-    as in ``model.named_modules()``, the tensor (``output[0]``, ``grad_input[0]``,
-    ``fc.weight.grad``, ``loss``) and the values' summary. A module is blamed only when its
-    inputs were finite; a non-finite value that a later module absorbed (a ``-inf`` attention
-    mask) is recorded in ``facts``, not blamed. ``layers`` gives each module's forward and
-    backward magnitude ranges, to read against the target format's limits
-    (``headroom`` in binades below its max). ``steps`` has one record per step, including
-    the steps GradScaler skipped.
+    :class:`Hunt` (full tracing) and :class:`~nanhunt.capture.sentinel.Sentinel` (cheap checks,
+    replay on a failure) are two compositions of the same observers, recorder and judge.
     """
 
     def __init__(
@@ -139,13 +118,11 @@ class Hunt:
         self.naming = Naming()
         self.recorder = Recorder(self.format, self.keep_steps, self.naming.types, self.judge)
         self.judge.recorder = self.recorder
-        self.modules = ModuleObserver(self)
-        self.autograd = AutogradObserver(self)
         self.loss = LossObserver(self)
         self.scaler_obs = ScalerObserver(self)
         self.optimizer_obs = OptimizerObserver(self)
         self.snapshots = Snapshots(self)
-        self.naming.on_param = self.autograd.hook_param
+        self._compose()
         self.internal_errors: list[str] = []
         self.snapshot: Snapshot | None = None
         # the optimizer step that made a parameter non-finite, copied just before it ran
@@ -171,8 +148,12 @@ class Hunt:
         self._first_optimizer: weakref.ref | None = None  # the first one the script made
         self._begin_step_state()
 
+    def _compose(self) -> None:
+        """Make this session's own parts (beyond the loss, scaler and optimizer observers)."""
+
     def _observers(self) -> list[Any]:
-        return [self.modules, self.autograd, self.loss, self.scaler_obs, self.optimizer_obs]
+        """The parts whose hooks :meth:`start` installs, in order."""
+        return [self.loss, self.scaler_obs, self.optimizer_obs]
 
     def _begin_step_state(self) -> None:
         self.cur = StepState(self.keep_tensors)
@@ -181,10 +162,10 @@ class Hunt:
         self.cur.traced = self._full
         if self._full:
             self.judge.traced_steps.add(self._step)
-        if self.sample_every > 1 and self._stack is not None:
-            # global module hooks slow every module call: sampled mode drops them between
-            # sampled steps
-            self.modules.set_hooks(self._full or not (self._saw_optimizer or self.scaler_seen))
+        self._step_begun()
+
+    def _step_begun(self) -> None:
+        """A new step is in flight (``cur`` and ``_full`` are set)."""
 
     # -- public API ---------------------------------------------------------------------
 
@@ -235,7 +216,7 @@ class Hunt:
         """Unscaled gradient exponent histograms (binade -> count), by gradient dtype."""
         return self.recorder.grad_histograms()
 
-    def start(self) -> Hunt:
+    def start(self) -> Session:
         global _ACTIVE
         with _LOCK:
             if _ACTIVE is not None:
@@ -290,7 +271,7 @@ class Hunt:
         return trained and not (cur.trains or cur.did_backward or cur.step_scaler
                                 or self._optimizer_ran_step == self._step)
 
-    def __enter__(self) -> Hunt:
+    def __enter__(self) -> Session:
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -358,10 +339,8 @@ class Hunt:
                   "stopped, your run continues", file=sys.stderr)
 
     def _on_failure(self, d: _StepData, origin_step: _StepData) -> None:
-        """The judge found the first failure: keep the culprit, trace fully, stop if asked."""
-        self.snapshots.take(d, origin_step)
+        """The judge found the first failure: stop at the end of the step, if asked."""
         self._stop_pending = True
-        self._full = True
 
     def _resolve_target(self, module: nn.Module) -> None:
         """Auto target: float16 as soon as autocast or a module's parameters use it (the
@@ -475,6 +454,64 @@ class Hunt:
             loop_calls=copy.deepcopy(list(self.loop_calls.values())),
             crash=copy.deepcopy(self.crash),
         )
+
+
+class Hunt(Session):
+    """Watch training steps and find the first non-finite value, with per-layer ranges.
+
+    Use it as a context manager around one failing step or a whole loop, or call
+    :meth:`start` and :meth:`stop`::
+
+        import torch, nanhunt
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nanhunt.watch(model, opt) as hunt:
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                opt.step()
+        print(hunt.first_failure)          # None: every value was finite
+        print(hunt.steps[-1].loss)         # the last step's loss
+        print(hunt.layers[0].module)       # per-module ranges, execution order
+
+    Reading the result: ``first_failure`` names the step (0-based), the phase (``data``,
+    ``forward``, ``backward``, ``optimizer``, ``loss_scaling``), the module's qualified name
+    as in ``model.named_modules()``, the tensor (``output[0]``, ``grad_input[0]``,
+    ``fc.weight.grad``, ``loss``) and the values' summary. A module is blamed only when its
+    inputs were finite; a non-finite value that a later module absorbed (a ``-inf`` attention
+    mask) is recorded in ``facts``, not blamed. ``layers`` gives each module's forward and
+    backward magnitude ranges, to read against the target format's limits
+    (``headroom`` in binades below its max). ``steps`` has one record per step, including
+    the steps GradScaler skipped.
+    """
+
+
+    def _compose(self) -> None:
+        self.modules = ModuleObserver(self)
+        self.autograd = AutogradObserver(self)
+        self.naming.on_param = self.autograd.hook_param
+
+    def _observers(self) -> list[Any]:
+        return [self.modules, self.autograd, *super()._observers()]
+
+    def _step_begun(self) -> None:
+        if self.sample_every > 1 and self._stack is not None:
+            # global module hooks slow every module call: sampled mode drops them between
+            # sampled steps
+            self.modules.set_hooks(self._full or not (self._saw_optimizer or self.scaler_seen))
+
+    def _on_failure(self, d: _StepData, origin_step: _StepData) -> None:
+        """Keep the culprit while its inputs are unchanged, and trace every step from now."""
+        self.snapshots.take(d, origin_step)
+        self._stop_pending = True
+        self._full = True
+
+    def start(self) -> Hunt:
+        super().start()
+        return self
+
+    def __enter__(self) -> Hunt:
+        return self.start()
 
 
 @contextlib.contextmanager

@@ -151,7 +151,9 @@ class StepState:
         self.grads: dict[int, torch.Tensor] = {}  # meta idx -> gradient (failing-step replay)
         self.grad_params: dict[int, torch.Tensor] = {}  # for the step's gradient norm
         self.opt_params: list[torch.Tensor] | None = None  # the stepping optimizer's
-        self.clip_norm: torch.Tensor | None = None  # returned by clip_grad_norm_
+        # the step's gradient norm if measured already: clip_grad_norm_'s return (before clipping),
+        # or a sentinel's gradient check
+        self.clip_norm: torch.Tensor | None = None
         self.targets: dict[int, torch.Tensor] = {}  # loss targets seen this step
         self.scaled_backward = False  # the running backward is of a GradScaler-scaled loss
         self.scaled_grad_params: set[int] = set()

@@ -38,7 +38,8 @@ def test_overhead_quick_writes_every_variant(tmp_path):
     assert doc["schema_version"] == 1
     assert doc["machine"]["torch_version"]
     rows = {r["variant"]: r for r in doc["results"]}
-    assert set(rows) == {"plain", "nanhunt", "nanhunt-sampled", "detect_anomaly", "naive"}
+    assert set(rows) == {
+        "plain", "nanhunt", "nanhunt-sampled", "sentinel", "detect_anomaly", "naive"}
     for row in rows.values():
         assert row["model"] == "mlp"
         assert row["precision"] == "fp32"

@@ -17,10 +17,10 @@ def _runnable_blocks(text: str) -> list[str]:
     return [b for b in blocks if "import nanhunt" in b and "# " in b and "..." not in b]
 
 
-@pytest.mark.parametrize("index", [0, 1])  # watch(), then audit()
+@pytest.mark.parametrize("index", [0, 1, 2])  # watch(), audit(), sentinel()
 def test_api_example_prints_what_it_promises(tmp_path, index):
     blocks = _runnable_blocks((DOCS / "api.md").read_text())
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     block = blocks[index]
     expected = [m.group(1).strip() for m in re.finditer(r"print\(.*\)\s+# (.*)", block)]
     script = tmp_path / "example.py"

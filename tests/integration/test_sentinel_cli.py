@@ -1,0 +1,83 @@
+"""`nanhunt diagnose --mode sentinel`: the same first failure as `--mode full` on the same
+script, found without tracing the steps before it; the script's own output unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = '''
+import sys, torch
+from torch import nn
+arch = sys.argv[1]
+torch.manual_seed(0)
+if arch == "mlp":
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    shape = (16, 8)
+else:
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 36, 1))
+    shape = (8, 1, 6, 6)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(20):
+    x = torch.randn(*shape)
+    if step >= 12:
+        x = x * 1e5  # overflows float16 from step 12 on
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    if step % 5 == 0:
+        print("step", step, "ok")
+'''
+
+
+def _run(tmp: Path, mode: str, arch: str) -> tuple[subprocess.CompletedProcess, dict]:
+    script = tmp / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp / f"report-{mode}-{arch}"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--mode", mode,
+                           "--out", str(out), "--quiet", str(script), arch],
+                          cwd=tmp, capture_output=True, text=True, timeout=300, env=env)
+    return proc, json.loads((out / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sentinel-cli")
+    return {(mode, arch): _run(tmp, mode, arch) for mode in ("full", "sentinel")
+            for arch in ("mlp", "cnn")}
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+def test_sentinel_mode_finds_what_full_tracing_finds(runs, arch):
+    full_proc, full = runs[("full", arch)]
+    proc, rep = runs[("sentinel", arch)]
+    where = lambda f: (f["step"], f["phase"], f["module"], f["tensor"])  # noqa: E731
+    assert where(full["first_failure"])[0] == 12
+    assert where(rep["first_failure"]) == where(full["first_failure"])
+    assert rep["diagnosis"]["kind"] == full["diagnosis"]["kind"]
+    assert rep["run"]["mode"] == "sentinel" and full["run"]["mode"] == "full"
+    assert rep["run"]["status"] == "stopped" and proc.returncode == full_proc.returncode == 1
+    assert proc.stdout == full_proc.stdout == "step 0 ok\nstep 5 ok\nstep 10 ok\n"  # stopped at 12
+    # the steps before the failure carry the cheap scalars only
+    early = next(s for s in rep["steps"] if s["index"] == 8)
+    assert early["records"] == 0 and early["loss"] is not None
+    assert any("replayed with full tracing" in n for n in rep["notes"])
+
+
+def test_sample_every_is_refused_with_sentinel(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--mode", "sentinel",
+                           "--sample-every", "5", "train.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "nanhunt: --sample-every applies to --mode full only"
