@@ -435,7 +435,8 @@ def verify_optimizer(trace: Trace, snap: OptimizerSnapshot) -> None:
             f"replayed the step-{snap.step} {snap.type}.step() on copies of its parameters, "
             f"gradients and state with eps={float(rec.value):g}: "
             + ("every parameter finite" if rec.verified else "still non-finite"))
-    trace.recommendations.sort(key=lambda r: not r.verified)
+        _as_replay_check(rec)  # a replayed step is not a run that trained: never "verified"
+    trace.recommendations.sort(key=lambda r: not (r.verified or r.check == "replay"))
 
 
 def _matches(rec_module: str | None, name: str) -> bool:

@@ -245,7 +245,10 @@ def test_optimizer_eps_in_half_precision(runs, key, optim, cls):
     assert f["source"].startswith("torch/optim/")
     eps = r.rec("eps")
     assert eps["value"] == 1e-4 and eps["data"]["where"] == "optimizer"
-    assert eps["verified"], eps["verification"]  # the replayed step with eps=1e-4 is finite
+    # the replayed step with eps=1e-4 is finite: a replay check, not "verified" (no re-run here)
+    assert not eps["verified"] and eps["check"] == "replay", eps["verification"]
+    assert eps["verification"].startswith("checked by replaying the culprit")
+    assert "every parameter finite" in eps["verification"]
     assert any("your eps 1e-08 is zero in float16" in e for e in eps["evidence"])
     assert "model.float()" in r.rec("fp32_master_weights")["snippet"]
 
