@@ -103,7 +103,8 @@ VALUE_OPTIONS = {"--out", "--target", "--max-steps", "--allow-inf", "--sample-ev
                  "--keep-steps", "--nproc-per-node", "--fix", "--verify", "--mode"}
 
 
-def split_argv(argv: Sequence[str]) -> tuple[list[str], str | None, str | None, list[str]]:
+def split_argv(argv: Sequence[str], value_options: frozenset[str] | set[str] | None = None,
+               ) -> tuple[list[str], str | None, str | None, list[str]]:
     """Split at the script: (our options, script, module, script args).
 
     Done by hand because argparse's REMAINDER drops a ``--`` that belongs to the script.
@@ -127,7 +128,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], str | None, str | None, 
             return ours, None, tok[2:], list(argv[i + 1:])
         if tok.startswith("-") and tok != "-":
             ours.append(tok)
-            if tok in VALUE_OPTIONS:
+            if tok in (VALUE_OPTIONS if value_options is None else value_options):
                 if i + 1 >= len(argv):
                     raise NanhuntError(f"{tok} needs a value")
                 ours.append(argv[i + 1])

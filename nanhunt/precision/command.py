@@ -63,32 +63,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _split_here(argv: Sequence[str]) -> tuple[list[str], str | None, str | None, list[str]]:
-    """Split at the script (argparse's REMAINDER drops a ``--`` that belongs to the script)."""
-    ours: list[str] = []
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if tok == "--":
-            if i + 1 >= len(argv):
-                break
-            return ours, argv[i + 1], None, list(argv[i + 2:])
-        if tok == "-m":
-            if i + 1 >= len(argv):
-                raise NanhuntError("-m needs a module name")
-            return ours, None, argv[i + 1], list(argv[i + 2:])
-        if tok.startswith("-m") and not tok.startswith("--"):
-            return ours, None, tok[2:], list(argv[i + 1:])
-        if tok.startswith("-") and tok != "-":
-            ours.append(tok)
-            if tok in _VALUE_OPTIONS:
-                if i + 1 >= len(argv):
-                    raise NanhuntError(f"{tok} needs a value")
-                ours.append(argv[i + 1])
-                i += 1
-            i += 1
-            continue
-        return ours, tok, None, list(argv[i + 1:])
-    return ours, None, None, []
+    """Split at the script, as ``nanhunt diagnose`` does, with the audit's own value options."""
+    from ..cli_args import split_argv
+
+    return split_argv(argv, _VALUE_OPTIONS)
 
 
 def parse_targets(text: str | list[str] | None) -> list[str] | None:
