@@ -47,6 +47,10 @@ def _no_leaked_hooks():
 
 
 def pytest_collection_modifyitems(config, items):
+    # unit tests first: meanwhile the integration tests' shared CLI runs, started when collection
+    # ends (tests/integration/conftest.py), use the second core (a stable sort: each module's
+    # tests stay together and in order)
+    items.sort(key=lambda item: "integration" in item.path.parts)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -1,4 +1,22 @@
-"""Run the real CLI in a subprocess, as a user would: `nanhunt ...` and `python -m nanhunt ...`."""
+"""Run the real CLI in a subprocess, as a user would: `nanhunt ...` and `python -m nanhunt ...`.
+
+Every CLI run pays a Python start and a torch import (about 3 s of CPU before the script's first
+step), so the suite shares them:
+
+* ``cli`` (session-scoped, :class:`CliRuns`): one run per distinct command line for the whole
+  session, whichever test or file asks for it, each in a fresh folder; its result is shared
+  read-only. Runs go through a small thread pool, so the runs of a module overlap each other
+  and the tests that run in this process.
+* prefetch: a test module may define ``prefetch(cli)``, which submits the runs its fixtures
+  will read (and returns at once). It is called for every collected module when collection
+  ends, in test order, so a module's runs are under way while earlier tests run; its fixtures
+  then call the same function and wait for the results.
+* ``run_cli`` (function-scoped): one run for one test, in that test's tmp_path.
+
+``nanhunt diagnose`` gets ``--verify 0`` (no re-run verification) unless ``verify=True``: the
+re-runs cost up to four more runs of the script, and only the tests about verification need
+them.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +25,20 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
+SCRIPTS = ROOT / "tests" / "scripts"
+
+#: CLI runs at once in the shared pool: two keep a two-core CI machine busy alongside this process
+JOBS = int(os.environ.get("NANHUNT_TEST_JOBS", "2"))
 
 
 def _launchers() -> list[list[str]]:
@@ -28,16 +54,141 @@ def nanhunt_cmd(request):
     return request.param
 
 
+def cli_env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+
+
 class Result:
-    def __init__(self, proc: subprocess.CompletedProcess, out: Path) -> None:
+    def __init__(self, proc: subprocess.CompletedProcess, out: Path, cwd: Path | None = None,
+                 ) -> None:
         self.code = proc.returncode
         self.stdout = proc.stdout
         self.stderr = proc.stderr
         self.out = out
+        self.cwd = cwd if cwd is not None else out.parent
+        self._report: dict | None = None
+
+    @property
+    def returncode(self) -> int:  # as subprocess.CompletedProcess calls it
+        return self.code
 
     @property
     def report(self) -> dict:
-        return json.loads((self.out / "report.json").read_text())
+        # parsed once: a shared run's report is read by many tests (treat it as read-only)
+        if self._report is None:
+            self._report = json.loads((self.out / "report.json").read_text())
+        return self._report
+
+    @property
+    def text(self) -> str:
+        return (self.out / "report.txt").read_text()
+
+    @property
+    def html(self) -> str:
+        return (self.out / "report.html").read_text()
+
+
+def _with_verify(args: Sequence[str], verify: bool) -> tuple[str, ...]:
+    args = tuple(str(a) for a in args)
+    if args[:1] == ("diagnose",) and not verify:
+        # re-run verification costs re-runs of the script: only for the tests about it
+        return ("diagnose", "--verify", "0", *args[1:])
+    return args
+
+
+class CliRuns:
+    """One run per distinct command, shared by the whole session (see the module docstring)."""
+
+    def __init__(self, base: Path, jobs: int = JOBS) -> None:
+        self.base = base
+        self._pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="cli")
+        self._done: dict[tuple, Future] = {}
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def _folder(self) -> Path:
+        with self._lock:
+            self._count += 1
+            n = self._count
+        path = self.base / f"run-{n:03d}"
+        path.mkdir()
+        return path
+
+    def call(self, key: tuple, fn: Callable[[Path], object]) -> Future:
+        """``fn(fresh folder)`` once per ``key`` in the pool; the future of its result."""
+        with self._lock:
+            fut = self._done.get(key)
+            if fut is None:
+                fut = self._done[key] = self._pool.submit(lambda: fn(self._folder()))
+        return fut
+
+    def submit(self, *args: str | Path, verify: bool = False, cmd: Sequence[str] | None = None,
+               timeout: float = 600, env: dict[str, str] | None = None) -> Future:
+        """``nanhunt ARGS`` (``python -m nanhunt`` unless ``cmd``) in a fresh folder, which is
+        its working directory; its reports are in ``<folder>/nanhunt-report``."""
+        full = (*(cmd or (sys.executable, "-m", "nanhunt")), *_with_verify(args, verify))
+        extra = tuple(sorted((env or {}).items()))
+
+        def run(cwd: Path) -> Result:
+            proc = subprocess.run(full, cwd=cwd, capture_output=True, text=True,
+                                  timeout=timeout, env=cli_env(**dict(extra)))
+            return Result(proc, cwd / "nanhunt-report", cwd)
+
+        return self.call(("cli", full, extra), run)
+
+    def get(self, *args: str | Path, **kw) -> Result:
+        return self.submit(*args, **kw).result()
+
+    def python(self, *argv: str | Path, timeout: float = 600) -> Future:
+        """``python ARGV`` (a plain script or a reference) in a fresh folder, once."""
+        full = (sys.executable, *(str(a) for a in argv))
+
+        def run(cwd: Path) -> subprocess.CompletedProcess:
+            return subprocess.run(full, cwd=cwd, capture_output=True, text=True,
+                                  timeout=timeout, env=cli_env())
+
+        return self.call(("python", full), run)
+
+    def close(self) -> None:
+        for fut in self._done.values():
+            fut.cancel()
+        self._pool.shutdown(wait=True)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+_CLI: CliRuns | None = None
+
+
+def _session_cli() -> CliRuns:
+    global _CLI
+    if _CLI is None:
+        _CLI = CliRuns(Path(tempfile.mkdtemp(prefix="nanhunt-cli-")))
+    return _CLI
+
+
+@pytest.fixture(scope="session")
+def cli() -> CliRuns:
+    return _session_cli()
+
+
+def pytest_collection_finish(session):
+    # start every selected module's shared runs now, in test order (see the module docstring)
+    seen = set()
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is None or module in seen:
+            continue
+        seen.add(module)
+        prefetch = getattr(module, "prefetch", None)
+        if callable(prefetch) and not session.config.option.collectonly:
+            prefetch(_session_cli())
+
+
+def pytest_sessionfinish(session):
+    global _CLI
+    if _CLI is not None:
+        _CLI.close()
+        _CLI = None
 
 
 @pytest.fixture
@@ -45,12 +196,8 @@ def run_cli(tmp_path):
     def run(*args: str, cmd: list[str] | None = None, cwd: Path | None = None,
             timeout: float = 180, verify: bool = False) -> Result:
         cmd = cmd or [sys.executable, "-m", "nanhunt"]
-        if args[:1] == ("diagnose",) and not verify:
-            # re-run verification costs re-runs of the script: only for the tests about it
-            args = ("diagnose", "--verify", "0", *args[1:])
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        proc = subprocess.run([*cmd, *args], cwd=cwd or tmp_path, capture_output=True,
-                              text=True, timeout=timeout, env=env)
-        return Result(proc, (cwd or tmp_path) / "nanhunt-report")
+        proc = subprocess.run([*cmd, *_with_verify(args, verify)], cwd=cwd or tmp_path,
+                              capture_output=True, text=True, timeout=timeout, env=cli_env())
+        return Result(proc, (cwd or tmp_path) / "nanhunt-report", cwd or tmp_path)
 
     return run

@@ -35,17 +35,28 @@ def _run(args, cwd):
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def audited(request, tmp_path_factory):
-    script, opts, culprit = CASES[request.param]
-    out = tmp_path_factory.mktemp(request.param)
-    steps = ["--steps", "6"] if "healthy" in request.param else []
+def _audit(out: Path, name: str) -> tuple:
+    script, opts, _culprit = CASES[name]
+    steps = ["--steps", "6"] if "healthy" in name else []
     proc = _run(["audit", "--steps", "2", "--out", str(out), *opts, str(EX / script), *steps],
                 ROOT)
     plain = subprocess.run([sys.executable, str(EX / script), *steps], cwd=ROOT,
                            capture_output=True, text=True, timeout=300)
+    return proc, plain
+
+
+def prefetch(cli) -> dict:
+    """Every case's audit and plain run, in the session's shared pool (tests/integration/
+    conftest.py; started when collection ends); each audit writes into a fresh folder."""
+    return {name: cli.call(("audit-cli", name), lambda out, n=name: (out, *_audit(out, n)))
+            for name in sorted(CASES)}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def audited(request, cli):
+    out, proc, plain = prefetch(cli)[request.param].result()
     report = json.loads((out / "report.json").read_text())
-    return request.param, culprit, proc, plain, report, out
+    return request.param, CASES[request.param][2], proc, plain, report, out
 
 
 def test_sensitive_layer_ranks_first_by_a_wide_margin(audited):

@@ -9,12 +9,7 @@ References that do not come from nanhunt: the script's own traceback under plain
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,34 +30,32 @@ CRASHES = {
 CONTROLS = ("no_update_mlp", "unscale_twice_cnn", "masked_fill", "full")
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+def _submit(cli) -> dict[tuple[str, bool], tuple]:
+    """Every run of this module, in the session's shared pool (each made once per session:
+    tests/integration/conftest.py): per (key, fixed), the futures of the nanhunt run and, for a
+    broken script, of the script under plain python."""
+    jobs = [(k, False) for k in CRASHES] + [(k, True) for k in CONTROLS]
+    futures = {}
+    for key, fixed in jobs:
+        script = SCRIPTS / CRASHES[key][0]
+        extra = ["--fixed"] if fixed else []
+        # verify=True: the command exactly as a user types it (these crashes have no fix a
+        # re-run could install, so no re-run is made either way)
+        nh = cli.submit("diagnose", "--quiet", script, *extra, verify=True)
+        plain = None if fixed else cli.python(script)
+        futures[(key, fixed)] = (nh, plain)
+    return futures
 
 
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
-                          env=_env())
+prefetch = _submit  # started when collection ends (tests/integration/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple]:
-    base = tmp_path_factory.mktemp("crash-causes")
-    jobs = [(k, False) for k in CRASHES] + [(k, True) for k in CONTROLS]
-
-    def one(job: tuple[str, bool]) -> tuple:
-        key, fixed = job
-        script = SCRIPTS / CRASHES[key][0]
-        cwd = base / f"{key}-{'fixed' if fixed else 'broken'}"
-        cwd.mkdir()
-        extra = ["--fixed"] if fixed else []
-        nh = _run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet", str(script),
-                   *extra], cwd)
-        plain = None if fixed else _run([sys.executable, str(script)], cwd)
-        report = json.loads((cwd / "nanhunt-report" / "report.json").read_text())
-        return nh, plain, report
-
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        results = dict(zip(jobs, pool.map(one, jobs)))
+def runs(cli) -> dict[tuple, tuple]:
+    results = {}
+    for job, (nh, plain) in _submit(cli).items():
+        nh = nh.result()
+        results[job] = (nh, plain and plain.result(), nh.report)
     return results
 
 

@@ -27,23 +27,31 @@ EXPECTED = {
 }
 
 
+def prefetch(cli) -> dict:
+    """This module's runs of the examples, in the session's shared pool (tests/integration/
+    conftest.py; started when collection ends): the failing ones with re-run verification."""
+    runs = {script: cli.submit("diagnose", "--quiet", EXAMPLES / script, verify=True)
+            for script in sorted(EXPECTED)}
+    runs["grad_underflow.py"] = cli.submit("diagnose", "--quiet",
+                                           EXAMPLES / "grad_underflow.py")
+    return runs
+
+
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    return {}
+def reports(cli):
+    return prefetch(cli)
 
 
-def _diagnose(run_cli, reports, script):
-    if script not in reports:
-        res = run_cli("diagnose", "--quiet", str(EXAMPLES / script), verify=True)
-        assert res.code == 1, res.stderr
-        reports[script] = res.report
-    return reports[script]
+def _diagnose(reports, script):
+    res = reports[script].result()
+    assert res.code == 1, res.stderr
+    return res.report
 
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))
-def test_example_is_diagnosed(run_cli, reports, script):
+def test_example_is_diagnosed(reports, script):
     step, phase, module, tensor, kind, op, fragment, verified_type = EXPECTED[script]
-    report = _diagnose(run_cli, reports, script)
+    report = _diagnose(reports, script)
     f = report["first_failure"]
     assert (f["step"], f["phase"], f["module"], f["tensor"]) == (step, phase, module, tensor)
     assert report["diagnosis"]["kind"] == kind
@@ -61,8 +69,8 @@ def test_example_is_diagnosed(run_cli, reports, script):
         assert rec["verification"]
 
 
-def test_grad_underflow_is_a_problem_with_an_init_scale(run_cli):
-    res = run_cli("diagnose", "--quiet", str(EXAMPLES / "grad_underflow.py"))
+def test_grad_underflow_is_a_problem_with_an_init_scale(reports):
+    res = reports["grad_underflow.py"].result()
     assert res.code == 1
     report = res.report
     assert report["first_failure"] is None
@@ -104,7 +112,7 @@ def _apply_line_edit(source: str, snippet: str) -> str:
 ])
 def test_applying_the_snippet_makes_the_run_finite(run_cli, reports, tmp_path, script, rec_type,
                                                    anchor):
-    report = _diagnose(run_cli, reports, script)
+    report = _diagnose(reports, script)
     rec = next(r for r in report["recommendations"] if r["type"] == rec_type)
     fixed = tmp_path / script
     source = (EXAMPLES / script).read_text()
@@ -119,7 +127,7 @@ def test_applying_the_snippet_makes_the_run_finite(run_cli, reports, tmp_path, s
 
 
 def test_applying_the_sqrt_floor_fixes_the_backward_nan(run_cli, reports, tmp_path):
-    report = _diagnose(run_cli, reports, "sqrt_backward.py")
+    report = _diagnose(reports, "sqrt_backward.py")
     rec = next(r for r in report["recommendations"] if r["type"] == "clamp")
     floor = rec["data"]["min"]
     source = (EXAMPLES / "sqrt_backward.py").read_text()

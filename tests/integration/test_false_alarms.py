@@ -20,11 +20,27 @@ CASES = [
 ]
 
 
+def prefetch(cli) -> dict:
+    """Each case's healthy and planted runs, in the session's shared pool (tests/integration/
+    conftest.py; started when collection ends); a run another file makes too is made once."""
+    runs = {}
+    for script, plant, _origin, _kind in CASES:
+        runs[script] = cli.submit("diagnose", "--quiet", EXAMPLES / script)
+        runs[script, plant] = cli.submit("diagnose", "--quiet", EXAMPLES / script, "--plant",
+                                         str(plant))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(cli) -> dict:
+    return prefetch(cli)
+
+
 @pytest.mark.parametrize(("script", "plant", "origin", "kind"), CASES,
                          ids=[c[0].removesuffix(".py") for c in CASES])
-def test_healthy_model_stays_quiet_and_planted_failure_is_caught(run_cli, script, plant,
+def test_healthy_model_stays_quiet_and_planted_failure_is_caught(runs, script, plant,
                                                                  origin, kind):
-    healthy = run_cli("diagnose", "--quiet", str(EXAMPLES / script))
+    healthy = runs[script].result()
     assert healthy.code == 0, healthy.stderr
     report = healthy.report
     assert report["first_failure"] is None
@@ -32,21 +48,21 @@ def test_healthy_model_stays_quiet_and_planted_failure_is_caught(run_cli, script
     assert report["diagnosis"] is None
     assert not [w for w in report["warnings"] if w["severity"] == "error"]
 
-    planted = run_cli("diagnose", "--quiet", str(EXAMPLES / script), "--plant", str(plant))
+    planted = runs[script, plant].result()
     assert planted.code == 1, planted.stderr
     f = planted.report["first_failure"]
     assert (f["step"], f["phase"], f["module"], f["tensor"]) == origin
     assert planted.report["diagnosis"]["kind"] == kind
 
 
-def test_masks_are_recorded_as_facts_not_failures(run_cli):
-    res = run_cli("diagnose", "--quiet", str(EXAMPLES / "healthy_gpt.py"))
+def test_masks_are_recorded_as_facts_not_failures(runs):
+    res = runs["healthy_gpt.py"].result()  # the healthy run above
     assert res.code == 0
     assert any("-inf" in fact and "absorbed" in fact for fact in res.report["facts"])
 
 
-def test_scaler_warmup_skips_are_facts(run_cli):
-    res = run_cli("diagnose", "--quiet", str(EXAMPLES / "healthy_scaler_warmup.py"))
+def test_scaler_warmup_skips_are_facts(runs):
+    res = runs["healthy_scaler_warmup.py"].result()  # the healthy run above
     assert res.code == 0
     steps = res.report["steps"]
     assert steps[0]["skipped"] is True and steps[-1]["skipped"] is False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -21,17 +22,28 @@ def test_the_doc_has_one_example_each():
     assert "export_tensorboard" in BLOCKS[2]
 
 
+def _run(cwd: Path, index: int) -> tuple[Path, subprocess.CompletedProcess]:
+    script = cwd / "example.py"
+    script.write_text(BLOCKS[index])
+    return cwd, subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                               timeout=300, cwd=cwd)
+
+
+def prefetch(cli) -> dict:
+    """Each example whose package is installed, in the session's shared pool
+    (tests/integration/conftest.py; started when collection ends), in a fresh folder."""
+    return {i: cli.call(("integrations-doc", i), lambda cwd, i=i: _run(cwd, i))
+            for i in sorted(NEEDS) if i < len(BLOCKS) and importlib.util.find_spec(NEEDS[i])}
+
+
 @pytest.mark.parametrize("index", sorted(NEEDS), ids=lambda i: NEEDS[i])
-def test_example_prints_what_it_promises(index, tmp_path):
+def test_example_prints_what_it_promises(cli, index):
     pytest.importorskip(NEEDS[index])
     block = BLOCKS[index]
     expected = [m.group(1).strip() for m in re.finditer(r"^print\(.*\)\s+# (.*)$", block,
                                                          flags=re.M)]
     assert expected
-    script = tmp_path / "example.py"
-    script.write_text(block)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
+    tmp_path, out = prefetch(cli)[index].result()
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert lines[-len(expected):] == expected, out.stdout

@@ -222,15 +222,16 @@ def test_tensorboard_from_the_callback(run_callback, tmp_path):
 # ----------------------------------------------------------------------------- the CLI
 
 
-@pytest.fixture(scope="module")
-def cli_nan_batch(tmp_path_factory):
-    import subprocess
+def prefetch(cli):
+    """The CLI run, in the session's shared pool (tests/integration/conftest.py; started when
+    collection ends): it runs while the in-process tests above do."""
+    return cli.submit("diagnose", "--quiet", NAN_BATCH, timeout=300)
 
-    tmp = tmp_path_factory.mktemp("cli")
-    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet",
-                           "--out", str(tmp / "report"), str(NAN_BATCH)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp)
-    return proc, Run(tmp / "report", proc.stdout)
+
+@pytest.fixture(scope="module")
+def cli_nan_batch(cli):
+    res = prefetch(cli).result()
+    return res, Run(res.out, res.stdout)
 
 
 def test_cli_diagnose_lightning_script(cli_nan_batch):

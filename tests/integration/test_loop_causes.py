@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import runpy
 import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
-#: key -> script and its arguments; every run shares one module-scoped pool
+#: key -> script and its arguments; every run shares the session's pool (conftest)
 RUNS = {
     "outside_mlp": ["scaler_step_outside_mlp.py"],
     "outside_cnn": ["scaler_step_outside_cnn.py"],
@@ -78,42 +75,36 @@ class Run:
         return next(r for r in self.report["recommendations"] if r["type"] == type_)
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+def _submit(cli) -> tuple[dict, dict]:
+    """Every CLI and plain-python run of this module, in the session's shared pool (each made
+    once per session: tests/integration/conftest.py); the futures of their results."""
+    # --verify 0 (the shared helper's default): re-run verification is tested in
+    # test_verify_rerun.py
+    nanhunt = {key: cli.submit("diagnose", "--quiet", SCRIPTS / script, *args)
+               for key, (script, *args) in RUNS.items()}
+    plain = {key: cli.python(SCRIPTS / script, *args, timeout=300)
+             for key, (script, *args) in PLAIN.items()}
+    return nanhunt, plain
+
+
+prefetch = _submit  # started when collection ends (tests/integration/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Run]:
-    base = tmp_path_factory.mktemp("loop-causes")
-
-    def one(key: str) -> Run:
-        script, *args = RUNS[key]
-        cwd = base / key
-        cwd.mkdir()
-        proc = subprocess.run(
-            # --verify 0: re-run verification is tested in test_verify_rerun.py
-            [sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--verify", "0",
-             str(SCRIPTS / script), *args],
-            cwd=cwd, capture_output=True, text=True, timeout=600, env=_env())
-        return Run(proc, cwd / "nanhunt-report")
-
-    # the runs wait on imports and the shared machine more than they compute: overlap them
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(zip(RUNS, pool.map(one, RUNS)))
+def runs(cli) -> dict[str, Run]:
+    results = {key: fut.result() for key, fut in _submit(cli)[0].items()}
+    return {key: Run(r, r.out) for key, r in results.items()}
 
 
 @pytest.fixture(scope="module")
-def plain() -> dict[str, list[float]]:
+def plain(cli) -> dict[str, list[float]]:
     """Each PLAIN script's own losses under plain python (no nanhunt): the reference runs."""
 
-    def one(key: str) -> list[float]:
-        proc = subprocess.run([sys.executable, str(SCRIPTS / PLAIN[key][0]), *PLAIN[key][1:]],
-                              capture_output=True, text=True, timeout=300, env=_env())
+    def losses(proc) -> list[float]:
         assert proc.returncode == 0, proc.stderr
         return [float(m) for m in re.findall(r"loss (\S+)", proc.stdout)]
 
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(zip(PLAIN, pool.map(one, PLAIN)))
+    return {key: losses(fut.result()) for key, fut in _submit(cli)[1].items()}
 
 
 def _line_of(script: str, text: str) -> int:

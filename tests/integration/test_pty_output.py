@@ -109,18 +109,45 @@ def _screen(data: bytes) -> list[str]:
 _LIVE = re.compile(rb"\r\x1b\[2K(nanhunt  step[^\r\n\x1b]*)?")
 
 
+def _script(cwd: Path, model: str) -> Path:
+    script = cwd / "train.py"
+    script.write_text(SCRIPT.format(model=MODELS[model]))
+    return script
+
+
+def _in_pty(cwd: Path, model: str, ours: bool) -> bytes:
+    script = _script(cwd, model)
+    cmd = [sys.executable, "-m", "nanhunt", "diagnose", str(script)] if ours else \
+        [sys.executable, str(script)]
+    return _run_in_pty(cmd, cwd)
+
+
+def _on_pipe(cwd: Path, model: str, ours: bool) -> subprocess.CompletedProcess:
+    script = _script(cwd, model)
+    cmd = [sys.executable, "-m", "nanhunt", "diagnose", str(script)] if ours else \
+        [sys.executable, str(script)]
+    return subprocess.run(cmd, cwd=cwd, env=dict(ENV), capture_output=True, timeout=240)
+
+
+def prefetch(cli) -> dict:
+    """Per model, the script under nanhunt and under plain python, at a terminal and on a pipe,
+    in the session's shared pool (tests/integration/conftest.py; started when collection
+    ends), each in a fresh folder: they mostly sleep between steps, so they overlap well."""
+    return {(model, where, ours): cli.call(("pty-output", model, where, ours),
+                                           lambda cwd, m=model, w=where, o=ours:
+                                           (_in_pty if w == "pty" else _on_pipe)(cwd, m, o))
+            for model in sorted(MODELS) for where in ("pty", "pipe") for ours in (True, False)}
+
+
 @pytest.fixture(scope="module", params=sorted(MODELS))
-def runs(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    script = tmp / "train.py"
-    script.write_text(SCRIPT.format(model=MODELS[request.param]))
-    ours = _run_in_pty([sys.executable, "-m", "nanhunt", "diagnose", str(script)], tmp)
-    plain = _run_in_pty([sys.executable, str(script)], tmp)
-    return ours, plain, script, tmp
+def runs(request, cli):
+    futures = prefetch(cli)
+    return {(where, ours): futures[request.param, where, ours].result()
+            for where in ("pty", "pipe") for ours in (True, False)}
 
 
 def test_every_line_the_script_printed_is_intact_on_the_screen(runs):
-    ours, plain, _script, _tmp = runs
+    ours, plain = runs["pty", True], runs["pty", False]
     plain_screen = _screen(plain)
     loss_lines = [ln for ln in plain_screen if ln.startswith("step ")]
     expected = _expected_lines(loss_lines)
@@ -133,19 +160,14 @@ def test_every_line_the_script_printed_is_intact_on_the_screen(runs):
 
 
 def test_the_scripts_bytes_reach_the_terminal_unchanged(runs):
-    ours, plain, _script, _tmp = runs
+    ours, plain = runs["pty", True], runs["pty", False]
     script_part = _LIVE.sub(b"", ours)
     end = script_part.index(b"the end") + len(b"the end\r\n")
     assert script_part[:end] == plain[: plain.index(b"the end") + len(b"the end\r\n")]
 
 
 def test_output_on_a_pipe_is_byte_identical_to_python(runs):
-    _ours, _plain, script, tmp = runs
-    env = dict(ENV)
-    plain = subprocess.run([sys.executable, str(script)], cwd=tmp, env=env, capture_output=True,
-                           timeout=240)
-    ours = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", str(script)],
-                          cwd=tmp, env=env, capture_output=True, timeout=240)
+    ours, plain = runs["pipe", True], runs["pipe", False]
     assert ours.returncode == 0, ours.stderr.decode()
     assert ours.stdout == plain.stdout
     assert ours.stderr.startswith(plain.stderr)  # then nanhunt's summary, after the script

@@ -46,20 +46,32 @@ CNN = textwrap.dedent("""
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-@pytest.fixture(scope="module", params=["ffn_overflow.py", "cnn"])
-def diagnosed(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("src")
-    if request.param == "cnn":
+def _diagnose(tmp: Path, name: str) -> tuple[Path, Path, str, subprocess.CompletedProcess]:
+    if name == "cnn":
         script = tmp / "cnn_overflow.py"
         script.write_text(CNN)
         call = "h = self.conv(x)"
     else:
-        script = EXAMPLES / request.param
+        script = EXAMPLES / name
         call = "self.wo(self.act(self.wi(x)))"
     out = tmp / "report"
-    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--out",
-                           str(out), str(script)], capture_output=True, text=True, timeout=300,
-                          env=ENV)
+    # --verify 0: the op table and its source column are the same with or without re-runs
+    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--verify",
+                           "0", "--out", str(out), str(script)], capture_output=True, text=True,
+                          timeout=300, env=ENV)
+    return out, script, call, proc
+
+
+def prefetch(cli) -> dict:
+    """Both runs, in the session's shared pool (tests/integration/conftest.py; started when
+    collection ends)."""
+    return {name: cli.call(("replay-source", name), lambda cwd, n=name: _diagnose(cwd, n))
+            for name in ("ffn_overflow.py", "cnn")}
+
+
+@pytest.fixture(scope="module", params=["ffn_overflow.py", "cnn"])
+def diagnosed(request, cli):
+    out, script, call, proc = prefetch(cli)[request.param].result()
     assert proc.returncode == 1, proc.stderr
     return out, script, call
 

@@ -10,20 +10,18 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.fixture(scope="module")
-def diagnosed(tmp_path_factory):
-    import os
-    import subprocess
-    import sys
+def prefetch(cli):
+    """The run the tests read, in the session's shared pool (tests/integration/conftest.py;
+    started when collection ends); --verify 0 (the helper's default): the report and the
+    snapshot are the same without re-runs."""
+    return cli.submit("diagnose", "--quiet", EXAMPLES / "sqrt_backward.py")
 
-    out = tmp_path_factory.mktemp("diag") / "nanhunt-report"
-    proc = subprocess.run(
-        [sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--out", str(out),
-         str(EXAMPLES / "sqrt_backward.py")],
-        capture_output=True, text=True, timeout=180,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 1, proc.stderr
-    return out
+
+@pytest.fixture(scope="module")
+def diagnosed(cli):
+    res = prefetch(cli).result()
+    assert res.code == 1, res.stderr
+    return res.out
 
 
 def test_report_renders_again_and_writes_html(run_cli, diagnosed, tmp_path):

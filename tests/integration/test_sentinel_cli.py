@@ -40,22 +40,28 @@ for step in range(20):
 '''
 
 
-def _run(tmp: Path, mode: str, arch: str) -> tuple[subprocess.CompletedProcess, dict]:
-    script = tmp / "train.py"
+def _run(cwd: Path, mode: str, arch: str) -> tuple[subprocess.CompletedProcess, dict]:
+    script = cwd / "train.py"
     script.write_text(SCRIPT)
-    out = tmp / f"report-{mode}-{arch}"
+    out = cwd / f"report-{mode}-{arch}"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--mode", mode,
                            "--out", str(out), "--quiet", str(script), arch],
-                          cwd=tmp, capture_output=True, text=True, timeout=300, env=env)
+                          cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
     return proc, json.loads((out / "report.json").read_text())
 
 
+def prefetch(cli) -> dict:
+    """The four runs, in the session's shared pool (tests/integration/conftest.py; started when
+    collection ends), each in a fresh folder."""
+    return {(mode, arch): cli.call(("sentinel-cli", mode, arch),
+                                   lambda cwd, m=mode, a=arch: _run(cwd, m, a))
+            for mode in ("full", "sentinel") for arch in ("mlp", "cnn")}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sentinel-cli")
-    return {(mode, arch): _run(tmp, mode, arch) for mode in ("full", "sentinel")
-            for arch in ("mlp", "cnn")}
+def runs(cli):
+    return {key: fut.result() for key, fut in prefetch(cli).items()}
 
 
 @pytest.mark.parametrize("arch", ["mlp", "cnn"])

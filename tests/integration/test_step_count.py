@@ -60,18 +60,34 @@ def _steps(tmp_path, kind: str, mode: str, n: int) -> tuple[int, dict]:
     return proc.returncode, json.loads((out / "report.json").read_text())
 
 
-@pytest.mark.parametrize("kind", ["mlp", "cnn"])
-@pytest.mark.parametrize("mode", ["no_grad", "eval-with-grad", "inference_mode", "mid-eval",
-                                  "none"])
-def test_evaluation_forwards_are_not_training_steps(tmp_path, kind, mode):
-    code, report = _steps(tmp_path, kind, mode, 12)
+KINDS = ["mlp", "cnn"]
+MODES = ["no_grad", "eval-with-grad", "inference_mode", "mid-eval", "none"]
+CASES = [(kind, mode, 12) for mode in MODES for kind in KINDS] + [("mlp", "crash-mid-step", 5)]
+
+
+def prefetch(cli) -> dict:
+    """Every run of this module, in the session's shared pool (tests/integration/conftest.py;
+    started when collection ends), each in a fresh folder."""
+    return {case: cli.call(("step-count", *case), lambda cwd, c=case: _steps(cwd, *c))
+            for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def runs(cli) -> dict:
+    return prefetch(cli)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_evaluation_forwards_are_not_training_steps(runs, kind, mode):
+    code, report = runs[kind, mode, 12].result()
     assert code == 0, report["run"]
     assert [s["index"] for s in report["steps"]] == list(range(12))
     assert all(s["loss"] is not None for s in report["steps"])
 
 
-def test_an_unfinished_training_step_still_counts(tmp_path):
-    code, report = _steps(tmp_path, "mlp", "crash-mid-step", 5)
+def test_an_unfinished_training_step_still_counts(runs):
+    code, report = runs["mlp", "crash-mid-step", 5].result()
     assert code == 3
     assert report["run"]["status"] == "crashed"
     assert len(report["steps"]) == 6  # 5 finished, and the one the crash cut short

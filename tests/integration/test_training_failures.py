@@ -3,16 +3,12 @@ two architectures, with healthy-but-noisy controls, checked against an independe
 (tests/reference.py: a TorchDispatchMode over the real run, float32 controls of the same script).
 
 The scripts live in tests/scripts/; each docstring says what goes wrong and why. Every CLI run is
-made once per module (``runs``), in a thread pool of two.
+made once per session, in the shared pool of tests/integration/conftest.py (``cli``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,47 +65,40 @@ class Run:
         return [r["type"] for r in self.report["recommendations"]]
 
 
-def _env() -> dict:
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-
-
-def _nanhunt(tmp: Path, name: str) -> Run:
-    opts, script, args = RUNS[name]
-    out = tmp / name
-    proc = subprocess.run(
-        # --verify 0: no re-run verification (slow; tests/integration/conftest.py does the same)
-        [sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--verify", "0", "--out",
-         str(out), *opts, str(script), *args],
-        cwd=tmp, capture_output=True, text=True, timeout=300, env=_env())
-    return Run(proc.returncode, out, proc.stderr)
-
-
 #: references that only need the per-step norms, skips and lr (no dispatch mode: faster)
 STEPS_ONLY = ("explode-rnn-fp32", "explode-lstm-fp32", "skips-scheduler", "underflow-mlp-fp32")
 
 
-def _reference(name: str) -> dict:
-    script, args = REFERENCES[name]
-    flag = ["--steps-only"] if name in STEPS_ONLY else []
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "reference.py"), *flag,
-                           str(script), *args],
-                          capture_output=True, text=True, timeout=300, env=_env())
+def _submit(cli) -> tuple[dict, dict]:
+    """Every CLI and reference run of this module, in the session's shared pool (each made once
+    per session: tests/integration/conftest.py); the futures of their results."""
+    nanhunt = {name: cli.submit("diagnose", "--quiet", *opts, script, *args)
+               for name, (opts, script, args) in RUNS.items()}
+    refs = {name: cli.python(ROOT / "tests" / "reference.py",
+                             *(["--steps-only"] if name in STEPS_ONLY else []), script, *args,
+                             timeout=300)
+            for name, (script, args) in REFERENCES.items()}
+    return nanhunt, refs
+
+
+prefetch = _submit  # started when collection ends (tests/integration/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def runs(cli) -> dict[str, Run]:
+    # --verify 0 (the shared helper's default): no re-run verification (slow)
+    results = {name: fut.result() for name, fut in _submit(cli)[0].items()}
+    return {name: Run(r.code, r.out, r.stderr) for name, r in results.items()}
+
+
+def _reference(proc) -> dict:
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Run]:
-    tmp = tmp_path_factory.mktemp("training")
-    with ThreadPoolExecutor(2) as pool:
-        results = dict(zip(RUNS, pool.map(lambda n: _nanhunt(tmp, n), RUNS)))
-    return results
-
-
-@pytest.fixture(scope="module")
-def refs() -> dict[str, dict]:
-    with ThreadPoolExecutor(2) as pool:
-        return dict(zip(REFERENCES, pool.map(_reference, REFERENCES)))
+def refs(cli) -> dict[str, dict]:
+    return {name: _reference(f.result()) for name, f in _submit(cli)[1].items()}
 
 
 def _verdict(run: Run) -> tuple:

@@ -103,11 +103,30 @@ def test_overflow_in_a_half_submodule(run_callback):
     assert rep["first_failure"]["stats"]["posinf"] + rep["first_failure"]["stats"]["neginf"] > 0
 
 
-def test_cli_diagnose_hf_script(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet",
-                           "--out", str(tmp_path / "report"), str(SCRIPT),
-                           "--output-dir", str(tmp_path / "hf")],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+def _cli_diagnose(cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet",
+                           "--out", str(cwd / "report"), str(SCRIPT),
+                           "--output-dir", str(cwd / "hf")],
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def _crash(cwd: Path) -> subprocess.CompletedProcess:
+    script = cwd / "crash.py"
+    script.write_text(CRASH)
+    return subprocess.run([sys.executable, str(script), str(cwd)], capture_output=True,
+                          text=True, timeout=300)
+
+
+def prefetch(cli) -> dict:
+    """The two subprocess runs, in the session's shared pool (tests/integration/conftest.py;
+    started when collection ends), each in a fresh folder: they run while the in-process tests
+    above do."""
+    return {"cli": cli.call(("hf-cli",), lambda cwd: (cwd, _cli_diagnose(cwd))),
+            "crash": cli.call(("hf-crash",), lambda cwd: (cwd, _crash(cwd)))}
+
+
+def test_cli_diagnose_hf_script(cli):
+    tmp_path, proc = prefetch(cli)["cli"].result()
     assert proc.returncode == 1, proc.stderr
     run = Run(tmp_path / "report", proc.stdout, proc.stderr)
     step = run.bad_step()
@@ -148,12 +167,9 @@ Trainer(model=Net(), args=args, train_dataset=Samples(),
 """
 
 
-def test_a_crash_inside_train_still_writes_the_report(tmp_path):
+def test_a_crash_inside_train_still_writes_the_report(cli):
     """The Trainer has no exception hook: the report is written when the process exits."""
-    script = tmp_path / "crash.py"
-    script.write_text(CRASH)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
-                          text=True, timeout=300)
+    tmp_path, proc = prefetch(cli)["crash"].result()
     assert proc.returncode == 1
     assert "RuntimeError: data loader broke" in proc.stderr  # the user's traceback, as ever
     rep = json.loads((tmp_path / "report" / "report.json").read_text())

@@ -33,15 +33,39 @@ def diagnose(cwd: Path, *args: str, timeout: float = 400) -> tuple[int, str, dic
     return proc.returncode, proc.stderr, json.loads(path.read_text()) if path.exists() else None
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    done: dict[str, tuple[int, str, dict | None]] = {}
+VERIFIED = ("t5_siblings.py", "vae_decoder.py", "transformer_ffn.py", "zero_norm_div.py")
+CHECKPOINT = SCRIPTS / "checkpointing.py"
 
+
+def prefetch(cli) -> dict:
+    """This module's runs that need no earlier result, in the session's shared pool
+    (tests/integration/conftest.py; started when collection ends), each with the options as
+    typed here (verify=True: the helper adds no --verify 0)."""
+    runs = {script: cli.submit("diagnose", SCRIPTS / script, verify=True) for script in VERIFIED}
+    runs["verify-0"] = cli.submit("diagnose", "--verify", "0", SCRIPTS / "zero_norm_div.py",
+                                  verify=True)
+    runs["ckpt-ref"] = cli.submit("diagnose", "--verify", "0", CHECKPOINT, verify=True)
+    runs["ckpt-work"] = cli.submit("diagnose", CHECKPOINT, verify=True)
+    for spec in ("fp32:encoder.blok.*", "fp32"):
+        runs[spec] = cli.submit("diagnose", "--fix", spec, SCRIPTS / "zero_norm_div.py",
+                                verify=True)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(cli) -> dict:
+    return prefetch(cli)
+
+
+def _outcome(res) -> tuple[int, str, dict | None]:
+    path = res.out / "report.json"
+    return res.code, res.stderr, json.loads(path.read_text()) if path.exists() else None
+
+
+@pytest.fixture(scope="module")
+def reports(runs):
     def get(script: str) -> tuple[int, str, dict]:
-        if script not in done:
-            cwd = tmp_path_factory.mktemp(script.removesuffix(".py"))
-            done[script] = diagnose(cwd, str(SCRIPTS / script))
-        return done[script]
+        return _outcome(runs[script].result())
 
     return get
 
@@ -125,28 +149,24 @@ def test_a_fix_round_trips_through_diagnose_fix(reports, tmp_path):
     assert len(fixed["steps"]) == 8
 
 
-def test_a_fix_that_matches_nothing_is_one_line_and_exit_2(tmp_path):
-    code, stderr, _ = diagnose(tmp_path, "--fix", "fp32:encoder.blok.*",
-                                    str(SCRIPTS / "zero_norm_div.py"))
+def test_a_fix_that_matches_nothing_is_one_line_and_exit_2(reports):
+    code, stderr, _ = reports("fp32:encoder.blok.*")
     assert code == 2
     lines = stderr.strip().splitlines()
     assert lines[-1].startswith("nanhunt: --fix fp32:encoder.blok.*: 'encoder.blok.*' matches "
                                 "no module"), stderr
     assert "Traceback" not in stderr
-    code, stderr, _ = diagnose(tmp_path, "--fix", "fp32", str(SCRIPTS / "zero_norm_div.py"))
+    code, stderr, _ = reports("fp32")
     assert code == 2 and stderr.strip().startswith("nanhunt: --fix fp32: unknown fix")
 
 
-def test_reruns_keep_the_users_checkpoint(tmp_path):
-    script = SCRIPTS / "checkpointing.py"
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    code, _, _ = diagnose(ref, "--verify", "0", str(script))
+def test_reruns_keep_the_users_checkpoint(runs, reports):
+    # two runs, each in its own folder: without re-runs (the reference) and with them
+    ref, work = runs["ckpt-ref"].result().cwd, runs["ckpt-work"].result().cwd
+    code, _, _ = reports("ckpt-ref")
     assert code == 1
     expected = torch.load(ref / "ckpt.pt", weights_only=True)
-    work = tmp_path / "work"
-    work.mkdir()
-    code, stderr, report = diagnose(work, str(script))
+    code, stderr, report = reports("ckpt-work")
     assert code == 1, stderr
     got = torch.load(work / "ckpt.pt", weights_only=True)
     assert got["step"] == expected["step"] < 7  # the re-runs trained to step 7 elsewhere
@@ -182,10 +202,10 @@ def test_ctrl_c_during_verification_keeps_the_report(tmp_path):
     assert report["first_failure"]["module"] == "encoder.block.1.layer.0.DenseReluDense.wo"
 
 
-def test_verify_0_runs_no_rerun(tmp_path):
-    code, stderr, report = diagnose(tmp_path, "--verify", "0", str(SCRIPTS / "zero_norm_div.py"))
+def test_verify_0_runs_no_rerun(runs, reports):
+    code, stderr, report = reports("verify-0")
     assert code == 1
     assert report["verification"]["tries"] == 0
     assert "re-running" not in stderr
     assert not any(r["verified"] for r in report["recommendations"])
-    assert not (tmp_path / "nanhunt-report" / "reruns").exists()
+    assert not (runs["verify-0"].result().out / "reruns").exists()
