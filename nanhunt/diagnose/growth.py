@@ -116,8 +116,16 @@ def _adaptive_finding(ctx: Context, a: _AdaptiveGrowth) -> Finding:
     if norms:
         evidence.append(f"gradient norm by step ({_span(norms[-6:])}): {_series(norms)}")
     then = f" before the failure at step {f.step}" if f is not None else ""
+    # no value went non-finite, but the run pays already: its loss rose many times over
+    losses = [(st.index, st.loss) for st in sorted(ctx.trace.steps, key=lambda st: st.index)
+              if st.loss is not None and math.isfinite(st.loss) and st.loss > 0
+              and ctx.before_failure(st.index)]
+    rose = len(losses) >= 4 and losses[-1][1] >= ctx.th.loss_spike * losses[0][1]
+    if rose:
+        evidence.append(f"the loss rose from {_n(losses[0][1])} (step {losses[0][0]}) to "
+                        f"{_n(losses[-1][1])} (step {losses[-1][0]})")
     return _finding(
-        "error" if f is not None else "warning",
+        "error" if f is not None or rose else "warning",
         f"{a.layer.module}'s weights grew by about lr={a.lr:g} at every step "
         f"({_n(pts[0][1])} -> {_n(pts[-1][1])} over {_span(pts)}){then}: the learning rate is "
         f"too high for {a.optimizer}",
@@ -138,13 +146,14 @@ def weight_growth(trace: Trace, ctx: Context) -> Iterator[Finding]:
     f = ctx.failure
     if f is not None and f.phase in ("data", "optimizer"):
         return
+    adaptive = _adaptive_growth(ctx)
+    if adaptive is not None:  # Adam's steps are lr whatever the gradients do
+        yield _adaptive_finding(ctx, adaptive)
+        return
     if _recurrent_explosion(ctx) is not None:
         return  # the weights grew because the gradients through time did: exploding-gradient's
     found = _weight_growth(ctx)
     if found is None:
-        adaptive = _adaptive_growth(ctx)
-        if adaptive is not None:
-            yield _adaptive_finding(ctx, adaptive)
         return
     layer, g, points = found
     evidence = [
