@@ -49,8 +49,8 @@ RUNS = {
     # healthy controls: the same scripts with the fix (correct scaler order with clipping
     # after unscale_, fp32 master weights, a nonzero eps, normalised inputs), and legitimately
     # large inputs that fit
-    # (20 steps: its summed loss costs 7 calibration skips, a large share of a shorter run)
-    "ok_outside_mlp": ["scaler_step_outside_mlp.py", "--fixed", "--steps", "20"],
+    # (24 steps: its summed loss costs 7 calibration skips and one more, 40% of 20 steps)
+    "ok_outside_mlp": ["scaler_step_outside_mlp.py", "--fixed", "--steps", "24"],
     "ok_adam_master": ["adam_eps_half_cnn.py", "--fixed", "master", "--steps", "3"],
     "ok_adam_eps": ["adam_eps_half_transformer.py", "--fixed", "eps", "--steps", "3"],
     "ok_rmsnorm": ["rmsnorm_eps_half_transformer.py", "--fixed", "eps", "--steps", "3"],
@@ -214,7 +214,9 @@ def test_optimizer_step_left_after_scaler_update(runs, plain, key, script):
                 and lines[i].strip() == "optimizer.step()") + 1
     assert d["data"]["source"].endswith(f"{script}:{line}")
     assert any("GradScaler found inf/NaN" in e for e in d["evidence"])
-    assert "learning rate" not in json.dumps([d, r.report["warnings"]]).lower()
+    assert any("not a learning rate problem" in e for e in d["evidence"])
+    assert all(w["kind"] != "lr_too_high" for w in r.report["warnings"])
+    assert all(rec["type"] != "lower_lr" for rec in r.report["recommendations"])
     # one step per iteration: the extra call is not a step of its own
     assert [s["index"] for s in r.report["steps"]] == list(range(len(r.report["steps"])))
     assert len(r.report["steps"]) <= 3
