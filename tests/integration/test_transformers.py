@@ -104,8 +104,9 @@ def test_overflow_in_a_half_submodule(run_callback):
 
 
 def _cli_diagnose(cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet",
-                           "--out", str(cwd / "report"), str(SCRIPT),
+    # --verify 0: the step and the target do not depend on re-runs
+    return subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--verify",
+                           "0", "--out", str(cwd / "report"), str(SCRIPT),
                            "--output-dir", str(cwd / "hf")],
                           capture_output=True, text=True, timeout=300, cwd=cwd)
 
