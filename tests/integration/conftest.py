@@ -99,6 +99,9 @@ def _with_verify(args: Sequence[str], verify: bool) -> tuple[str, ...]:
 class CliRuns:
     """One run per distinct command, shared by the whole session (see the module docstring)."""
 
+    launchers = staticmethod(_launchers)  # what the nanhunt_cmd fixture is parametrized over
+    env = staticmethod(cli_env)
+
     def __init__(self, base: Path, jobs: int = JOBS) -> None:
         self.base = base
         self._pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="cli")
@@ -135,6 +138,24 @@ class CliRuns:
             return Result(proc, cwd / "nanhunt-report", cwd)
 
         return self.call(("cli", full, extra), run)
+
+    def submit_with_files(self, files: dict[str, str], *args: str | Path, verify: bool = False,
+                          cmd: Sequence[str] | None = None, timeout: float = 600) -> Future:
+        """As :meth:`submit`, with ``files`` (relative path -> text) written into the run's
+        folder first; ``{cwd}`` in an argument is that folder."""
+        launcher = tuple(cmd or (sys.executable, "-m", "nanhunt"))
+        args = _with_verify(args, verify)
+
+        def run(cwd: Path) -> Result:
+            for name, text in files.items():
+                (cwd / name).parent.mkdir(parents=True, exist_ok=True)
+                (cwd / name).write_text(text)
+            full = [*launcher, *(a.format(cwd=cwd) if "{cwd}" in a else a for a in args)]
+            proc = subprocess.run(full, cwd=cwd, capture_output=True, text=True,
+                                  timeout=timeout, env=cli_env())
+            return Result(proc, cwd / "nanhunt-report", cwd)
+
+        return self.call(("files", tuple(sorted(files.items())), launcher, args), run)
 
     def get(self, *args: str | Path, **kw) -> Result:
         return self.submit(*args, **kw).result()

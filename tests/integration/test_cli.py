@@ -28,40 +28,104 @@ SHOW = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def show_script(tmp_path):
-    folder = tmp_path / "proj"
-    folder.mkdir()
-    (folder / "helper.py").write_text("X = 1\n")
-    script = folder / "show.py"
-    script.write_text(SHOW)
-    return script
+SHOW_FILES = {"proj/helper.py": "X = 1\n", "proj/show.py": SHOW}
+SHOW_ARGS = ["--lr", "1e-3", "--", "--out", "x", "0"]
 
 
-def test_script_sees_what_python_gives_it(nanhunt_cmd, run_cli, show_script, tmp_path):
-    args = [str(show_script), "--lr", "1e-3", "--", "--out", "x", "0"]
-    plain = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True)
-    ours = run_cli("diagnose", *args, cmd=nanhunt_cmd)
+def _show_under_both(cwd: Path, cmd: list[str], env: dict[str, str],
+                     ) -> tuple[Path, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """show.py (a sibling module beside it) under plain python and under nanhunt, from the
+    same folder: what each printed."""
+    for name, text in SHOW_FILES.items():
+        (cwd / name).parent.mkdir(parents=True, exist_ok=True)
+        (cwd / name).write_text(text)
+    script = cwd / "proj" / "show.py"
+    args = [str(script), *SHOW_ARGS]
+    plain = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True)
+    ours = subprocess.run([*cmd, "diagnose", "--verify", "0", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=180, env=env)
+    return script, plain, ours
+
+
+# scripts of the tests below, written into each run's own folder
+KI = "raise KeyboardInterrupt\n"
+MODULE = {"mypkg/__init__.py": "", "mypkg/train.py": textwrap.dedent("""
+    import sys
+    print("name", __name__, "argv", sys.argv[1:])
+""")}
+CRASH = textwrap.dedent("""
+    import torch
+    from torch import nn
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(8, 4)
+        if step == {nan_step}:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    def broken():
+        raise ValueError("dataset file missing")
+    broken()
+""")
+FP32 = textwrap.dedent("""
+    import torch
+    from torch import nn
+    model = nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(1e4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.full((2, 4), 10.0)).sum().backward()
+        opt.step()
+""")
+
+
+def prefetch(cli) -> dict:
+    """This module's runs that import torch, in the session's shared pool
+    (tests/integration/conftest.py; started when collection ends), each in a fresh folder; the
+    quick ones (usage errors, --help) run in the tests."""
+    runs = {("show", tuple(cmd)): cli.call(("cli-show", tuple(cmd)),
+                                           lambda cwd, c=cmd: _show_under_both(cwd, c, cli.env()))
+            for cmd in cli.launchers()}
+    runs["exit-4"] = cli.submit_with_files(SHOW_FILES, "diagnose", "{cwd}/proj/show.py", "4")
+    runs["module"] = cli.submit_with_files(MODULE, "diagnose", "--quiet", "-m", "mypkg.train",
+                                           "--flag", "v")
+    runs["crash"] = cli.submit_with_files({"crash.py": CRASH.format(nan_step=99)}, "diagnose",
+                                          "{cwd}/crash.py")
+    runs["crash-nan"] = cli.submit_with_files({"crash.py": CRASH.format(nan_step=1)},
+                                              "diagnose", "--keep-going", "{cwd}/crash.py")
+    runs["ki"] = cli.submit_with_files({"ki.py": KI}, "diagnose", "{cwd}/ki.py")
+    runs["max-steps"] = cli.submit("diagnose", "--max-steps", "3", EXAMPLES / "healthy_fp16.py")
+    runs["ffn"] = cli.submit("diagnose", EXAMPLES / "ffn_overflow.py")
+    runs["healthy"] = cli.submit("diagnose", EXAMPLES / "healthy_fp16.py")
+    runs["target"] = cli.submit_with_files({"fp32.py": FP32}, "diagnose", "--target",
+                                           "bfloat16", "{cwd}/fp32.py")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(cli) -> dict:
+    return prefetch(cli)
+
+
+def test_script_sees_what_python_gives_it(nanhunt_cmd, runs):
+    script, plain, ours = runs["show", tuple(nanhunt_cmd)].result()
     assert plain.returncode == 0
-    assert ours.code == 0, ours.stderr
+    assert ours.returncode == 0, ours.stderr
     assert ours.stdout == plain.stdout  # nanhunt leaves the script's stdout alone
-    assert "argv ['" + str(show_script) + "', '--lr', '1e-3', '--', '--out', 'x', '0']" \
+    assert "argv ['" + str(script) + "', '--lr', '1e-3', '--', '--out', 'x', '0']" \
         in ours.stdout
 
 
-def test_sys_exit_code_passes_through(run_cli, show_script):
-    assert run_cli("diagnose", str(show_script), "4").code == 4
+def test_sys_exit_code_passes_through(runs):
+    assert runs["exit-4"].result().code == 4
 
 
-def test_module_mode(run_cli, tmp_path):
-    pkg = tmp_path / "mypkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "train.py").write_text(textwrap.dedent("""
-        import sys
-        print("name", __name__, "argv", sys.argv[1:])
-    """))
-    res = run_cli("diagnose", "--quiet", "-m", "mypkg.train", "--flag", "v")
+def test_module_mode(runs):
+    res = runs["module"].result()
     assert res.code == 0, res.stderr
     assert "name __main__ argv ['--flag', 'v']" in res.stdout
 
@@ -90,28 +154,10 @@ def test_help_documents_exit_codes(run_cli):
         assert code in res.stdout
 
 
-CRASH = textwrap.dedent("""
-    import torch
-    from torch import nn
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        x = torch.randn(8, 4)
-        if step == {nan_step}:
-            x[0, 0] = float("nan")
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        opt.step()
-    def broken():
-        raise ValueError("dataset file missing")
-    broken()
-""")
 
 
-def test_crash_prints_the_users_traceback_and_writes_a_partial_report(run_cli, tmp_path):
-    script = tmp_path / "crash.py"
-    script.write_text(CRASH.format(nan_step=99))
-    res = run_cli("diagnose", str(script))
+def test_crash_prints_the_users_traceback_and_writes_a_partial_report(runs):
+    res = runs["crash"].result()
     assert res.code == 3
     assert "Traceback (most recent call last)" in res.stderr
     assert 'ValueError: dataset file missing' in res.stderr
@@ -123,20 +169,16 @@ def test_crash_prints_the_users_traceback_and_writes_a_partial_report(run_cli, t
     assert len(report["steps"]) == 3
 
 
-def test_crash_after_a_numeric_problem_exits_1(run_cli, tmp_path):
-    script = tmp_path / "crash.py"
-    script.write_text(CRASH.format(nan_step=1))
-    res = run_cli("diagnose", "--keep-going", str(script))
+def test_crash_after_a_numeric_problem_exits_1(runs):
+    res = runs["crash-nan"].result()
     assert res.code == 1
     report = res.report
     assert report["first_failure"]["step"] == 1
     assert report["first_failure"]["phase"] == "data"
 
 
-def test_keyboard_interrupt_gives_exit_130_and_a_partial_report(run_cli, tmp_path):
-    script = tmp_path / "ki.py"
-    script.write_text("raise KeyboardInterrupt\n")
-    res = run_cli("diagnose", str(script))
+def test_keyboard_interrupt_gives_exit_130_and_a_partial_report(runs):
+    res = runs["ki"].result()
     assert res.code == 130
     assert res.report["run"]["status"] == "interrupted"
 
@@ -170,16 +212,16 @@ def test_real_ctrl_c_during_training(tmp_path):
     assert len(report["steps"]) >= 5
 
 
-def test_max_steps_stops_the_script(run_cli):
-    res = run_cli("diagnose", "--max-steps", "3", str(EXAMPLES / "healthy_fp16.py"))
+def test_max_steps_stops_the_script(runs):
+    res = runs["max-steps"].result()
     assert res.code == 0, res.stderr
     assert len(res.report["steps"]) == 3
     assert res.report["run"]["status"] == "stopped"
 
 
-def test_ffn_overflow_example(run_cli):
+def test_ffn_overflow_example(runs):
     # one launcher: test_script_sees_what_python_gives_it runs both entry points
-    res = run_cli("diagnose", str(EXAMPLES / "ffn_overflow.py"))
+    res = runs["ffn"].result()
     assert res.code == 1, res.stderr
     f = res.report["first_failure"]
     assert (f["step"], f["phase"], f["module"], f["tensor"]) == (
@@ -191,28 +233,15 @@ def test_ffn_overflow_example(run_cli):
         assert (res.out / name).exists(), name
 
 
-def test_healthy_example_exits_0(run_cli):
-    res = run_cli("diagnose", str(EXAMPLES / "healthy_fp16.py"))
+def test_healthy_example_exits_0(runs):
+    res = runs["healthy"].result()
     assert res.code == 0, res.stderr
     assert res.report["first_failure"] is None
     assert res.report["problem"] is False
 
 
-def test_target_option_judges_an_fp32_run_against_bfloat16(run_cli, tmp_path):
-    script = tmp_path / "fp32.py"
-    script.write_text(textwrap.dedent("""
-        import torch
-        from torch import nn
-        model = nn.Linear(4, 4)
-        with torch.no_grad():
-            model.weight.fill_(1e4)
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        for _ in range(2):
-            opt.zero_grad()
-            model(torch.full((2, 4), 10.0)).sum().backward()
-            opt.step()
-    """))
-    res = run_cli("diagnose", "--target", "bfloat16", str(script))
+def test_target_option_judges_an_fp32_run_against_bfloat16(runs):
+    res = runs["target"].result()
     assert res.code == 0, res.stderr
     assert res.report["run"]["target"] == "bfloat16"
     layer = res.report["layers"][0]

@@ -243,46 +243,70 @@ _ARGPARSE = textwrap.dedent("""
 """)
 
 
-def _diagnose(tmp_path: Path, text: str, *args: str) -> tuple[subprocess.CompletedProcess, dict,
-                                                                  str]:
-    script = tmp_path / "train.py"
-    script.write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", str(script), *args],
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180)
-    out = tmp_path / "nanhunt-report"
-    report = json.loads((out / "report.json").read_text())
-    return proc, report, (out / "report.txt").read_text()
+_EXIT_MODELS = ["nn.Linear(4, 1)",
+                "nn.Sequential(nn.Conv1d(1, 2, 3, padding=1), nn.Flatten(), "
+                "nn.Linear(8, 1)).float()"]
+_ARGPARSE_CASES = [(["--help"], 0), ([], 2), (["--lr", "x"], 2)]
 
 
-@pytest.mark.parametrize("model", ["nn.Linear(4, 1)",
-                                   "nn.Sequential(nn.Conv1d(1, 2, 3, padding=1), nn.Flatten(), "
-                                   "nn.Linear(8, 1)).float()"])
-def test_the_scripts_own_exit_status_is_recorded_and_said(tmp_path, model):
+def _exit_script(model: str) -> str:
     text = _TRAIN_THEN_EXIT.format(model=model)
     if "Conv1d" in model:
         text = text.replace("torch.randn(8, 4)", "torch.randn(8, 1, 4)")
-    proc, report, txt = _diagnose(tmp_path, text)
+    return text
+
+
+_NORMAL_END = _TRAIN_THEN_EXIT.format(model="nn.Linear(4, 1)").replace("sys.exit(3)", "")
+
+
+def prefetch(cli) -> dict:
+    """The runs of the exit-status tests below, in the session's shared pool
+    (tests/integration/conftest.py; started when collection ends), each in a fresh folder, with
+    the options as typed here (verify=True: the helper adds no --verify 0)."""
+    def run(text: str, *args: str):
+        return cli.submit_with_files({"train.py": text}, "diagnose", "{cwd}/train.py", *args,
+                                     verify=True, timeout=180)
+
+    runs = {("exit", model): run(_exit_script(model)) for model in _EXIT_MODELS}
+    runs["normal"] = run(_NORMAL_END)
+    for args, _code in _ARGPARSE_CASES:
+        runs["argparse", tuple(args)] = run(_ARGPARSE, *args)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(cli) -> dict:
+    return prefetch(cli)
+
+
+def _diagnose(runs: dict, key) -> tuple:
+    res = runs[key].result()
+    return res, res.report, res.text
+
+
+@pytest.mark.parametrize("model", _EXIT_MODELS)
+def test_the_scripts_own_exit_status_is_recorded_and_said(runs, model):
+    proc, report, txt = _diagnose(runs, ("exit", model))
     assert proc.returncode == 3, proc.stderr  # nothing found: the script's code passes on
     assert report["run"]["exit_code"] == 3
     assert len(report["steps"]) == 3
     banner = txt.split("╰")[0]
     assert "the script exited with 3" in banner
-    html = (tmp_path / "nanhunt-report" / "report.html").read_text()
+    html = proc.html
     assert "the script exited with 3" in html
 
 
-def test_a_normal_end_records_exit_status_0(tmp_path):
-    proc, report, txt = _diagnose(tmp_path, _TRAIN_THEN_EXIT.format(model="nn.Linear(4, 1)")
-                                  .replace("sys.exit(3)", ""))
+def test_a_normal_end_records_exit_status_0(runs):
+    proc, report, txt = _diagnose(runs, "normal")
     assert proc.returncode == 0, proc.stderr
     assert report["run"]["exit_code"] == 0
     assert "exited with" not in txt.split("╰")[0]
     assert "OK: no non-finite values" in txt
 
 
-@pytest.mark.parametrize(("args", "code"), [(["--help"], 0), ([], 2), (["--lr", "x"], 2)])
-def test_a_script_that_runs_no_step_gets_no_ok_verdict(tmp_path, args, code):
-    proc, report, txt = _diagnose(tmp_path, _ARGPARSE, *args)
+@pytest.mark.parametrize(("args", "code"), _ARGPARSE_CASES)
+def test_a_script_that_runs_no_step_gets_no_ok_verdict(runs, args, code):
+    proc, report, txt = _diagnose(runs, ("argparse", tuple(args)))
     assert proc.returncode == code, proc.stderr
     assert report["steps"] == []
     assert report["run"]["exit_code"] == code
@@ -291,7 +315,7 @@ def test_a_script_that_runs_no_step_gets_no_ok_verdict(tmp_path, args, code):
     assert "OK" not in banner
     if code:
         assert f"the script exited with {code}" in banner
-    html = (tmp_path / "nanhunt-report" / "report.html").read_text()
+    html = proc.html
     assert "the script exited before any training step" in html
     assert "no non-finite values" not in html
 
