@@ -12,6 +12,7 @@ step), so the suite shares them:
   ends, in test order, so a module's runs are under way while earlier tests run; its fixtures
   then call the same function and wait for the results.
 * ``run_cli`` (function-scoped): one run for one test, in that test's tmp_path.
+* ``quiet_pool``: no pool run during a test that times a child in wall-clock seconds.
 
 ``nanhunt diagnose`` gets ``--verify 0`` (no re-run verification) unless ``verify=True``: the
 re-runs cost up to four more runs of the script, and only the tests about verification need
@@ -20,6 +21,7 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -108,6 +110,9 @@ class CliRuns:
         self._done: dict[tuple, Future] = {}
         self._lock = threading.Lock()
         self._count = 0
+        self._gate = threading.Condition()  # see quiet()
+        self._paused = 0
+        self._running = 0
 
     def _folder(self) -> Path:
         with self._lock:
@@ -117,13 +122,40 @@ class CliRuns:
         path.mkdir()
         return path
 
+    def _task(self, fn: Callable[[Path], object]) -> object:
+        with self._gate:
+            while self._paused:
+                self._gate.wait()
+            self._running += 1
+        try:
+            return fn(self._folder())
+        finally:
+            with self._gate:
+                self._running -= 1
+                self._gate.notify_all()
+
     def call(self, key: tuple, fn: Callable[[Path], object]) -> Future:
         """``fn(fresh folder)`` once per ``key`` in the pool; the future of its result."""
         with self._lock:
             fut = self._done.get(key)
             if fut is None:
-                fut = self._done[key] = self._pool.submit(lambda: fn(self._folder()))
+                fut = self._done[key] = self._pool.submit(self._task, fn)
         return fut
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """No pool run during the block: for a test that times a child in wall-clock seconds
+        (the machine as busy as without the pool). Waits for the runs under way to end."""
+        with self._gate:
+            self._paused += 1
+            while self._running:
+                self._gate.wait()
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._paused -= 1
+                self._gate.notify_all()
 
     def submit(self, *args: str | Path, verify: bool = False, cmd: Sequence[str] | None = None,
                timeout: float = 600, env: dict[str, str] | None = None) -> Future:
@@ -210,6 +242,13 @@ def pytest_sessionfinish(session):
     if _CLI is not None:
         _CLI.close()
         _CLI = None
+
+
+@pytest.fixture
+def quiet_pool(cli):
+    """Holds the shared pool's runs for the test (see CliRuns.quiet)."""
+    with cli.quiet():
+        yield
 
 
 @pytest.fixture
