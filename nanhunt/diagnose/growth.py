@@ -252,7 +252,9 @@ def _explosion_harm(ctx: Context, step: int) -> str | None:
     before = [s.loss for s in steps if s.index < step and s.loss is not None
               and math.isfinite(s.loss)]
     applied_before = any(not s.skipped for s in steps if s.index < step)
-    skipped = [s.index for s in near if s.skipped and s.index > step]
+    grew = {e.step for e in ctx.trace.scaler_events if e.event == "growth"}
+    # (a skip right after GradScaler raised the scale is how it probes: not a cost)
+    skipped = [s.index for s in near if s.skipped and s.index > step and s.index - 1 not in grew]
     if skipped and applied_before:
         return (f"GradScaler skipped step{'s' if len(skipped) > 1 else ''} "
                 f"{', '.join(map(str, skipped))} right after it: the scaled gradients "
