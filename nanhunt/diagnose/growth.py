@@ -140,7 +140,7 @@ def _adaptive_finding(ctx: Context, a: _AdaptiveGrowth) -> Finding:
                         f"{_n(peak[1])} (step {peak[0]}) and stayed above "
                         f"{ctx.th.loss_spike:g}x its first value for three steps or more")
     # Adam moves every weight by lr: when most layers grew, the lr is no one layer's problem
-    everywhere = a.weighted >= 2 and a.grown * 2 >= a.weighted
+    everywhere = a.grown >= 3 or (a.weighted >= 2 and a.grown * 2 >= a.weighted)
     who = (f"the weights of {a.grown} of {a.weighted} layers (most: {a.layer.module}, "
            if everywhere else f"{a.layer.module}'s weights (")
     return _finding(

@@ -13,6 +13,7 @@ from nanhunt.trace import (
     CastCounts,
     Failure,
     LayerStats,
+    OpRecord,
     OptimizerInfo,
     RunInfo,
     StepRecord,
@@ -220,3 +221,43 @@ def test_nan_is_not_over_the_max_and_zeros_are_counted_apart():
     loss = TensorStats("float32", [], 1, posinf=1)
     assert "no finite value" in values_summary(loss, FP16)
     assert shape_text(loss) == "scalar"
+
+
+def _deep_trace(per_layer: float) -> Trace:
+    # 20 Linear layers, each followed by a norm; the backward of layer "4" overflows at step 0.
+    # The gradient reaching layer i (backward order from 19 down) is 1e-3 * per_layer**(19 - i)
+    layers = []
+    for i in range(20):
+        amax = 1e-3 * per_layer ** (19 - i)
+        layers.append(LayerStats(str(2 * i), "Linear", calls=1, params=64, dtypes=["float16"],
+                                 backward_amax_by_step={0: amax}))
+        # a norm rescales the gradient: its values do not follow the Linear series
+        layers.append(LayerStats(str(2 * i + 1), "BatchNorm1d", calls=1, params=8,
+                                 dtypes=["float16"], backward_amax_by_step={0: 0.01}))
+    f = Failure(0, "backward", "8", "8.weight.grad", _ts_inf(), op="aten.mm")
+    return Trace(run=RunInfo(target="float16", autocast=True), layers=layers,
+                 steps=[StepRecord(0, loss=2.3)], first_failure=f,
+                 ops=[OpRecord(0, "aten.mm.default", "backward", "float16", 6e4, 2, 64,
+                               first_nonfinite=True)])
+
+
+def _ts_inf() -> TensorStats:
+    return TensorStats(dtype="float32", shape=[64], numel=64, posinf=1, neginf=1, amax=6e4)
+
+
+def test_gradients_growing_layer_by_layer_to_an_overflow_are_an_explosion():
+    t = _deep_trace(2.0)
+    diagnose(t, strict=True)
+    d = t.diagnosis
+    assert (d.rule, d.kind, d.phase, d.module) == ("exploding-gradient", "exploding_gradient",
+                                                   "backward", "8")
+    # the Linear layers after the culprit ("10".."38") carry 1e-3 * 2**k for k = 14..0: the
+    # gradient grew 2**14 on its way back, 2x a layer
+    assert d.data["depth"]["layers"] == 15
+    assert abs(d.data["depth_growth"] - 2.0**14) < 1e-9 * 2.0**14
+    # judged against float16, where the matmul made the inf, not the float32 .grad
+    assert "overflowed float16" in d.message
+    # gradients that do not grow on the way back: the overflow is the layer's own
+    t = _deep_trace(1.0)
+    diagnose(t, strict=True)
+    assert t.diagnosis.rule == "backward-overflow"
