@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from ._session import AuditSession
 
-__all__ = ["AuditSession", "audit", "build_trace", "parse_targets"]
+__all__ = ["AuditSession", "attach", "audit", "build_trace", "parse_targets"]
 
 
 def __getattr__(name: str) -> Any:
@@ -54,14 +54,24 @@ def __getattr__(name: str) -> Any:
 def build_trace(session: AuditSession, run: RunInfo) -> Trace:
     """The report of a finished session: ``precision`` plus the checked fp32 advice."""
     trace = Trace(run=run)
+    attach(trace, session)
+    if session.audit is not None:
+        run.target = session.audit.target
+    dtypes = {s.plan.fmt.name for s in session.auditor.states if s.plan and s.plan.measured}
+    run.dtypes = sorted(dtypes | {"float32"})
+    return trace
+
+
+def attach(trace: Trace, session: AuditSession) -> Trace:
+    """Put a finished session's ``precision``, advice and notes into ``trace`` (the audit's
+    own report, or a framework callback's diagnosis report)."""
     audit_ = session.audit
     trace.precision = audit_
-    trace.recommendations = list(session.recommendations)
+    trace.recommendations = [*trace.recommendations, *session.recommendations]
     if audit_ is not None:
         audit_.seconds_plain_step = session.plain_step_seconds()
         for other in audit_.compare:
             other.seconds_plain_step = audit_.seconds_plain_step
-        run.target = audit_.target
         if audit_.steps < session.steps:
             trace.notes.append(f"the audit measured {audit_.steps} of the {session.steps} "
                                "steps asked for: the run ended first")
@@ -71,8 +81,6 @@ def build_trace(session: AuditSession, run: RunInfo) -> Trace:
             f"the {session.warmup} warm-up step(s)" if not session.auditor.notes else
             session.auditor.notes[0])
     trace.notes += [n for n in session.auditor.notes if n not in trace.notes]
-    dtypes = {s.plan.fmt.name for s in session.auditor.states if s.plan and s.plan.measured}
-    run.dtypes = sorted(dtypes | {"float32"})
     return trace
 
 

@@ -6,8 +6,9 @@ format (``measured``), or simulates it (``simulated``: autocast with the target 
 the model cast for a ``model.half()`` run, FP8 by rounding GEMM inputs, weights and outputs).
 Each module call of a target replay is also replayed alone in float32 on float32 copies of its
 inputs (``_observe.py``). Nothing of the user's changes: parameters are passed to
-``functional_call``, buffers copied, gradients taken with ``torch.autograd.grad``, and the RNG
-forked.
+``functional_call``, buffers copied, gradients taken with ``torch.autograd.grad``, the
+generators (torch's, Python's, numpy's) put back, and the modules' other Python attributes
+stood in for while the replays run (``_state.py``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..capture.naming import Naming
 from ..formats import get_format
 from ..trace import PrecisionAudit, PrecisionLayer, PrecisionLoss
 from . import rank
 from ._observe import Measured, Observer, Plan, energies, is_gemm, round_to
-from ._tape import Entry, Tape, cuda_devices
+from ._state import module_state_kept
+from ._tape import Entry, Tape, rng_kept
 
 __all__ = ["Auditor"]
 
@@ -60,7 +63,9 @@ class Auditor:
     def __init__(self, targets: list[str] | None) -> None:
         self.requested = targets
         self.tape = Tape()
-        self.names: dict[nn.Module, str] = {}
+        # the same names as a diagnosis of the same run (a callback's report holds both): the
+        # first root with parameters unprefixed, DDP wrappers unwrapped
+        self.naming = Naming()
         self.observer = Observer(self._name)
         self.states: list[_TargetState] = []
         self.steps = 0
@@ -73,15 +78,14 @@ class Auditor:
 
     # -- naming -------------------------------------------------------------------------
 
+    @property
+    def names(self) -> Any:
+        """module -> its name, as ``nanhunt diagnose`` names it (capture's :class:`Naming`)."""
+        return self.naming.names
+
     def name_root(self, root: nn.Module, label: str) -> None:
-        if root in self.names:
-            return
-        primary = not any(n for n in self.names.values()) and next(root.parameters(),
-                                                                   None) is not None
-        for qual, mod in root.named_modules():
-            if mod not in self.names:
-                self.names[mod] = (qual or label) if primary else (
-                    f"{label}.{qual}" if qual else label)
+        if root not in self.naming.names:
+            self.naming.add_root(root, label=label)
 
     def _name(self, module: nn.Module) -> str:
         return self.names.get(module) or f"<{type(module).__name__}>"
@@ -151,7 +155,7 @@ class Auditor:
         if loss is None or not self.tape.tracks(loss):
             loss = tensor
         self.steps += 1
-        with torch.random.fork_rng(devices=cuda_devices()), torch.enable_grad():
+        with rng_kept(), module_state_kept(_roots(entries)), torch.enable_grad():
             b, env_b = self._replay(entries, None)
             grads_b = _grads(env_b.get(id(tensor)), b, gradient, torch.float32)
             b_loss = _scalar(env_b.get(id(loss)))
@@ -275,7 +279,8 @@ class Auditor:
             return None, None
         plan = Plan(**{**state.plan.__dict__, "fix": tuple(modules)})
         before, after = [], []
-        with torch.random.fork_rng(devices=cuda_devices()), torch.no_grad():
+        roots = _roots([e for entries, _ in self.kept for e in entries])
+        with rng_kept(), module_state_kept(roots), torch.no_grad():
             for entries, loss in self.kept:
                 ref = _scalar(self._replay(entries, None)[1].get(id(loss)))
                 for fixed, out in ((state.plan, before), (plan, after)):
@@ -316,6 +321,14 @@ class Auditor:
         first = audits[0]
         first.compare = audits[1:]
         return first
+
+
+def _roots(entries: list[Entry]) -> list[nn.Module]:
+    out: list[nn.Module] = []
+    for e in entries:
+        if e.module and all(e.fn is not r for r in out):
+            out.append(e.fn)
+    return out
 
 
 def _relative(fix: tuple[str, ...], root: nn.Module, auditor: Auditor) -> list[str]:

@@ -4,6 +4,25 @@ Phases: ``record`` (the user's own step: top-level module calls go on the tape),
 (a replay in the target format: each call's output is kept and the module is replayed alone in
 float32 on float32 copies of the same inputs), ``float32`` (a float32 replay: outputs kept),
 ``off`` (nothing; our own replays run in it).
+
+What it shares with capture (``nanhunt/capture``): module names come from capture's
+:class:`~nanhunt.capture.naming.Naming` (the names ``nanhunt diagnose`` gives the same run,
+DDP wrappers unwrapped), and the record phase skips what capture's module observer skips
+(``_in_backward``: activation-checkpoint recomputes; ``_skip``: Dynamo tracing). Why it is not
+capture's :class:`~nanhunt.capture.modules.ModuleObserver` composed differently:
+
+- that observer is a ``Part`` of a capture ``Session``: it files each call into the session's
+  step state and queues on-device *summaries* of its tensors in the recorder; the audit needs
+  each call's whole output tensors, keyed by (module, call index), in replays the audit itself
+  runs, to compare two replays element by element;
+- in a target replay these hooks *change* a call: they return new arguments and outputs (FP8
+  rounding around GEMMs, the float32 region of the advice being checked, the cast back to a
+  half model's dtype) and replay the module alone in float32 from inside its post-hook;
+  capture's observers must never change a value (the run stays bit-identical);
+- in the user's own step the audit records only the top-level calls (a tape), not every call.
+
+So the two would share only ``register_module_forward_pre_hook`` / ``register_module_forward_hook``;
+a framework callback with ``audit=`` runs both at once, the Hunt paused while the audit replays.
 """
 
 from __future__ import annotations
@@ -23,6 +42,7 @@ from torch.nn.modules import module as _M
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..capture._util import _in_backward, _skip
 from ..formats import NumberFormat
 from ._tape import cast_floating, rng_state, set_rng_state
 
@@ -232,6 +252,8 @@ class Observer:
 
     def _pre(self, module: nn.Module, args: tuple) -> Any:
         if self.phase == "record":
+            if _in_backward() or _skip():
+                return None  # an activation-checkpoint recompute, a Dynamo trace: not calls
             if self.depth == 0:
                 self._root_rng.append(rng_state())
             self.depth += 1
@@ -268,6 +290,8 @@ class Observer:
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         if self.phase == "record":
+            if _in_backward() or _skip():
+                return None
             self.depth = max(self.depth - 1, 0)
             if self.depth == 0 and self.on_root is not None:
                 rng = self._root_rng.pop() if self._root_rng else None

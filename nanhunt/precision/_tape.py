@@ -12,6 +12,8 @@ the user's parameters, buffers, gradients or RNG (parameters are passed to
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +23,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["Entry", "Tape", "cast_floating", "cuda_devices", "rng_state", "set_rng_state"]
+__all__ = ["Entry", "Tape", "cast_floating", "cuda_devices", "rng_kept", "rng_state",
+           "set_rng_state"]
 
 # in-place calls that return nothing useful: their first argument is what they produce
 _INPLACE_NONE = {"__setitem__"}
@@ -43,15 +46,40 @@ def cuda_devices() -> list[int]:
     return list(range(torch.cuda.device_count()))
 
 
-def rng_state() -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda_devices()}
+def rng_state() -> tuple[Any, ...]:
+    """Every generator a module's forward may draw from: torch's CPU and CUDA generators, and
+    Python's and numpy's global ones (stochastic depth written with ``random.random()``)."""
+    np_random = _numpy_random()
+    return (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda_devices()},
+            random.getstate(), np_random.get_state() if np_random is not None else None)
 
 
-def set_rng_state(state: tuple[torch.Tensor, dict[int, torch.Tensor]]) -> None:
-    cpu, cuda = state
+def set_rng_state(state: tuple[Any, ...]) -> None:
+    cpu, cuda, py, np_state = state
     torch.set_rng_state(cpu)
     for d, s in cuda.items():
         torch.cuda.set_rng_state(s, d)
+    random.setstate(py)
+    np_random = _numpy_random()
+    if np_state is not None and np_random is not None:
+        np_random.set_state(np_state)
+
+
+def _numpy_random() -> Any:
+    # only when the script imported numpy itself: the audit never imports it for the user
+    np = sys.modules.get("numpy")
+    return getattr(np, "random", None) if np is not None else None
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """The user's generators as they were when the block began (``torch.random.fork_rng``
+    covers torch's only)."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
 
 
 def _autocast_state() -> dict[str, tuple[bool, torch.dtype]]:
