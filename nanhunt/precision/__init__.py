@@ -98,13 +98,17 @@ def audit(
 
     The model runs as given (a ``.half()`` model is measured in float16); ``target`` (a format
     or several, default the model's low-precision dtype, else float16) is simulated otherwise.
-    Nothing is trained and the model's parameters, buffers and gradients are left as they were.
+    Nothing is trained, and everything the audit's own calls could change is put back: the
+    model's parameters, buffers, gradients and other Python attributes (a call counter, a
+    cache), and torch's, Python's and numpy's random generators (``batch_fn``'s draws included).
     With ``out``, report.json / report.html / report.txt are written there. Returns the trace;
     ``trace.precision`` holds the layers and ``trace.recommendations`` the checked advice.
     """
     import torch
 
     from ._session import AuditSession
+    from ._state import module_state_kept
+    from ._tape import rng_kept
 
     if steps < 1:
         raise NanhuntError("steps must be at least 1")
@@ -118,7 +122,7 @@ def audit(
     # the forward the audit itself makes must not move BatchNorm statistics: put them back
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     try:
-        with session:
+        with rng_kept(), module_state_kept([model]), session:
             for _ in range(steps):
                 inputs, labels = batch_fn()
                 with torch.enable_grad():

@@ -26,7 +26,7 @@ from ..formats import get_format
 from ..trace import PrecisionAudit, PrecisionLayer, PrecisionLoss
 from . import rank
 from ._observe import Measured, Observer, Plan, energies, is_gemm, round_to
-from ._state import module_state_kept
+from ._state import ModuleState, module_state_kept
 from ._tape import Entry, Tape, rng_kept
 
 __all__ = ["Auditor"]
@@ -175,7 +175,10 @@ class Auditor:
         self.kept.append((entries, loss))
         return True
 
-    def _params(self, plan: Plan | None, root: nn.Module) -> dict[str, torch.Tensor]:
+    def _params(self, plan: Plan | None, root: nn.Module,
+                state: ModuleState | None = None) -> dict[str, torch.Tensor]:
+        """What ``root`` runs with in a replay; buffers as they were when the user's call
+        began (``state``), copied: the user's running statistics are never touched."""
         out: dict[str, torch.Tensor] = {}
         rel = _relative(plan.fix, root, self) if plan is not None else []
         for mname, mod in root.named_modules(remove_duplicate=False):
@@ -197,6 +200,8 @@ class Auditor:
                 if buf is None:
                     continue
                 full = f"{mname}.{bname}" if mname else bname
+                if state is not None:
+                    buf = state.buffers.get(full, buf)
                 dt = buf.dtype
                 if buf.is_floating_point():
                     if plan is None or fixed or plan.fp8 is not None:
@@ -237,7 +242,7 @@ class Auditor:
 
         self.observer.begin("float32" if plan is None else "target", plan, analyse=analyse)
         try:
-            env = self.tape.replay(entries, params=lambda m: self._params(plan, m),
+            env = self.tape.replay(entries, params=lambda e: self._params(plan, e.fn, e.state),
                                    autocast=autocast, inputs=inputs)
         finally:
             seen = self.observer.end()

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..capture._util import _in_backward, _skip
 from ..formats import NumberFormat
+from ._state import ModuleState, rebind
 from ._tape import cast_floating, rng_state, set_rng_state
 
 __all__ = ["Observer", "Plan", "energies", "round_to"]
@@ -197,6 +198,7 @@ class _Frame:
     rng: Any
     fixed: bool
     region: contextlib.ExitStack | None = None
+    state: ModuleState | None = None  # the module's state when this call began
 
 
 @dataclass
@@ -255,7 +257,8 @@ class Observer:
             if _in_backward() or _skip():
                 return None  # an activation-checkpoint recompute, a Dynamo trace: not calls
             if self.depth == 0:
-                self._root_rng.append(rng_state())
+                # where the call starts from: replays start from there too
+                self._root_rng.append((rng_state(), ModuleState.capture(module)))
             self.depth += 1
             return None
         if self.phase not in ("target", "float32"):
@@ -276,7 +279,7 @@ class Observer:
         parent_fixed = bool(self._frames) and self._frames[-1].fixed
         fixed = parent_fixed or name in plan.fix
         frame = _Frame(key, name, cast_floating(args, torch.float32, copy=True),
-                       rng_state(), fixed)
+                       rng_state(), fixed, state=ModuleState.capture(module))
         self._frames.append(frame)
         if fixed and not parent_fixed:
             # the recommendation as the snippet installs it: float32 inputs, autocast off
@@ -294,8 +297,8 @@ class Observer:
                 return None
             self.depth = max(self.depth - 1, 0)
             if self.depth == 0 and self.on_root is not None:
-                rng = self._root_rng.pop() if self._root_rng else None
-                self.on_root(module, args, kwargs, out, rng)
+                rng, state = self._root_rng.pop() if self._root_rng else (None, None)
+                self.on_root(module, args, kwargs, out, rng, state)
             return None
         if self.phase not in ("target", "float32") or not self._frames:
             return None
@@ -322,8 +325,11 @@ class Observer:
         """Replay ``module`` alone in float32 on float32 copies of its inputs."""
         phase, self.phase = self.phase, "off"
         after = rng_state()
+        # the call alone starts where the call started (a counter not yet counted, a buffer
+        # not yet updated); the replay it is part of goes on from where the call ended
+        before = frame.state.apply() if frame.state is not None else []
         try:
-            params = self._float32_params(module)
+            params = self._float32_params(module, frame.state)
             kw32 = cast_floating(kwargs, torch.float32, copy=True)
             analyse = self.analyse and frame.key[1] == 0 and frame.name not in self.seen.analysis
             stats = _OpStats() if analyse else contextlib.nullcontext()
@@ -346,19 +352,26 @@ class Observer:
                 data.update(_range(ref_leaves, self.plan.fmt))  # type: ignore[union-attr]
                 self.seen.analysis[frame.name] = data
         finally:
+            rebind(before)
             set_rng_state(after)
             self.phase = phase
 
-    def _float32_params(self, module: nn.Module) -> dict[str, torch.Tensor]:
+    def _float32_params(self, module: nn.Module,
+                        state: ModuleState | None) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for prefix, sub in module.named_modules(remove_duplicate=False):
             own = self.original.get(id(sub), {})
             for pname, p in own.items():
                 out[f"{prefix}.{pname}" if prefix else pname] = p
             for bname, b in sub._buffers.items():
-                if b is not None:  # the replay's current copy, never the user's buffer
-                    out[f"{prefix}.{bname}" if prefix else bname] = b.detach().to(
-                        torch.float32 if b.is_floating_point() else b.dtype, copy=True)
+                if b is None:
+                    continue
+                full = f"{prefix}.{bname}" if prefix else bname
+                if state is not None:  # as it was when the call began
+                    b = state.buffers.get(full, b)
+                # a copy of the replay's own buffer, never the user's
+                out[full] = b.detach().to(
+                    torch.float32 if b.is_floating_point() else b.dtype, copy=True)
         return out
 
 

@@ -170,13 +170,14 @@ class AuditSession:
         self.paused = False
 
     def _on_root(self, module: nn.Module, args: tuple, kwargs: dict, out: Any,
-                 rng: Any) -> None:
+                 rng: Any, state: Any = None) -> None:
         if self.busy or self.paused:
             return
         try:
             self.auditor.name_root(module, self.label or _variable_name(module)
                                    or type(module).__name__)
-            self.auditor.tape.add(call_entry(module, args, kwargs, out, module=True, rng=rng))
+            self.auditor.tape.add(call_entry(module, args, kwargs, out, module=True, rng=rng,
+                                             state=state))
         except Exception as exc:  # a bug in the audit must never stop the user's training
             self.fail(exc)
 

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
+
+from ._state import rebind
 
 __all__ = ["Entry", "Tape", "cast_floating", "cuda_devices", "rng_kept", "rng_state",
            "set_rng_state"]
@@ -120,6 +121,7 @@ class Entry:
     autocast: dict[str, tuple[bool, torch.dtype]]
     grad_enabled: bool
     rng: Any = None
+    state: Any = None  # a module call's ModuleState when it began (``_state.py``)
     produces: list[int] = field(default_factory=list)  # ids of the tensors it made or changed
     uses: list[int] = field(default_factory=list)  # ids of tracked tensors among its arguments
 
@@ -164,13 +166,14 @@ class Tape:
         self,
         entries: list[Entry],
         *,
-        params: Callable[[nn.Module], dict[str, torch.Tensor]],
+        params: Callable[[Entry], dict[str, torch.Tensor]],
         autocast: Callable[[Entry], dict[str, tuple[bool, torch.dtype]]],
         inputs: Callable[[Any], Any],
     ) -> dict[int, Any]:
         """Run ``entries`` again; returns {id(original tensor): its replayed counterpart}.
 
-        ``params(root)`` gives the parameters and buffers a module call runs with, ``autocast``
+        ``params(entry)`` gives the parameters and buffers a module call runs with (its
+        Python attributes are the copies its ``state`` holds, for the call), ``autocast``
         the autocast state of each call, ``inputs`` maps arguments that did not come from the
         tape (the batch, targets, the scaler's scale).
         """
@@ -190,7 +193,11 @@ class Tape:
                 set_rng_state(e.rng)
             with autocast_as(autocast(e)), torch.set_grad_enabled(e.grad_enabled):
                 if e.module:
-                    out = functional_call(e.fn, params(e.fn), args, kwargs, strict=False)
+                    before = e.state.apply() if e.state is not None else []
+                    try:
+                        out = functional_call(e.fn, params(e), args, kwargs, strict=False)
+                    finally:
+                        rebind(before)
                 else:
                     out = e.fn(*args, **kwargs)
             made_old = _tensors(e.out)
@@ -205,7 +212,7 @@ class Tape:
 
 
 def call_entry(fn: Any, args: tuple, kwargs: dict, out: Any, *, module: bool,
-               rng: Any = None) -> Entry:
+               rng: Any = None, state: Any = None) -> Entry:
     return Entry(
         fn=fn,
         args=args,
@@ -215,4 +222,5 @@ def call_entry(fn: Any, args: tuple, kwargs: dict, out: Any, *, module: bool,
         autocast=_autocast_state(),
         grad_enabled=torch.is_grad_enabled(),
         rng=rng,
+        state=state,
     )
