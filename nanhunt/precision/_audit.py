@@ -39,6 +39,7 @@ _FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 class _Sums:
     local: list[float] = field(default_factory=lambda: [0.0, 0.0])
     e2e: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    e2e_in: list[float] = field(default_factory=lambda: [0.0, 0.0])  # its floating inputs
     grad: list[float] = field(default_factory=lambda: [0.0, 0.0])
     has_grad: bool = False
     calls: int = 0
@@ -264,6 +265,10 @@ class Auditor:
                 sg, ns, _ = energies(rb, ra)
                 s.e2e[0] += sg
                 s.e2e[1] += ns
+            for ra, rb in zip(a.inputs.get(key, []), b.inputs.get(key, []), strict=False):
+                sg, ns, _ = energies(rb, ra)
+                s.e2e_in[0] += sg
+                s.e2e_in[1] += ns
             ga, gb = grads_a.get(key), grads_b.get(key)
             if ga and gb:
                 for x, y in zip(ga, gb, strict=False):
@@ -309,6 +314,9 @@ class Auditor:
                 layers.append(PrecisionLayer(
                     module=name, type=meta["type"], sqnr_db=rank.sqnr_db(*s.local),
                     sqnr_db_end_to_end=rank.sqnr_db(*s.e2e),
+                    sqnr_db_end_to_end_in=rank.sqnr_db(*s.e2e_in),
+                    drift_jump_db=rank.drift_jump_db(s.e2e_in, s.e2e),
+                    drift_added_db=rank.drift_added_db(s.e2e_in, s.e2e),
                     grad_sqnr_db=rank.sqnr_db(*s.grad) if s.has_grad else None,
                     calls=s.calls, order=meta["order"], depth=meta["depth"],
                     leaf=meta["leaf"], dtype=meta.get("dtype", ""), parent=meta.get("parent"),

@@ -206,6 +206,7 @@ class Measured:
     """What one replay saw: each call's output leaves, and (target) its own rounding."""
 
     outputs: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    inputs: dict[Key, list[torch.Tensor]] = field(default_factory=dict)  # as the call got them
     local: dict[Key, tuple[float, float, int]] = field(default_factory=dict)
     analysis: dict[str, dict[str, float]] = field(default_factory=dict)
     meta: dict[str, dict[str, Any]] = field(default_factory=dict)  # type, order, depth, leaf
@@ -271,6 +272,7 @@ class Observer:
                                     "depth": len(self._frames),
                                     "parent": self._frames[-1].name if self._frames else None,
                                     "leaf": next(module.children(), None) is None}
+        self.seen.inputs[key] = _leaves(args)  # before any change below: what the call got
         if self.phase == "float32":
             self._frames.append(_Frame(key, name, None, None, False))
             return None
