@@ -992,7 +992,7 @@ def _fp32_master_weights(trace: Trace, ctx: Context, finding: Finding) -> Recomm
 
 
 def _finfo_constant(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
-    from .causes import RangeConstant, dtype_expr, find_constants, finfo_fix
+    from .diagnose.causes import RangeConstant, dtype_expr, find_constants, finfo_fix
 
     d = finding.data
     line, value, text = d.get("source_line"), d.get("constant"), d.get("text")

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanhunt.advise import advise
-from nanhunt.causes import RangeConstant, find_constants, finfo_fix, rounded, scaler_error
 from nanhunt.diagnose import diagnose
+from nanhunt.diagnose.causes import RangeConstant, find_constants, finfo_fix, rounded, scaler_error
 from nanhunt.formats import get_format
 from nanhunt.trace import (
     Crash,

@@ -20,18 +20,12 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .diagnose import (
-    Context,
-    _finding,
-    _forward_class,
-    _short_source,
-    eps_in_format,
-    is_norm_type,
-    rule,
-)
-from .errors import NanhuntError
-from .formats import FORMATS, NumberFormat, get_format
-from .trace import Crash, Failure, Finding, InputRange, OpRecord, Trace
+from ..errors import NanhuntError
+from ..formats import FORMATS, NumberFormat, get_format
+from ..trace import Crash, Failure, Finding, InputRange, OpRecord, Trace
+from ._base import Context, _finding, eps_in_format, is_norm_type, rule
+from .classify import _forward_class
+from .failures import _short_source
 
 __all__ = [
     "SCALER_ERRORS",
