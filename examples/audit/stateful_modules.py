@@ -46,7 +46,7 @@ class Ema(nn.Module):
         self.last: torch.Tensor | None = None
 
     def forward(self, x):
-        dims = [0] + list(range(2, x.dim()))
+        dims = [0, *range(2, x.dim())]
         self.running.mul_(0.9).add_(x.detach().float().mean(dims), alpha=0.1)
         self.gain.mul_(1.001)
         self.history.append(float(x.detach().float().mean()))
