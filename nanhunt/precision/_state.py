@@ -15,8 +15,8 @@ replay, when each module call begins, for the module's float32 replay alone) and
 as fresh copies, before each replay of that call.
 
 Not covered (documented in docs/cli.md): objects inside those containers changed in place,
-attributes of other objects (a custom ``Stats()`` instance), global variables and forward
-hooks' own side effects.
+attributes of other objects (a custom ``Stats()`` instance), global variables, forward hooks'
+own side effects, and tensor attributes over :data:`COPY_LIMIT_BYTES` (shared, not copied).
 """
 
 from __future__ import annotations
@@ -38,10 +38,20 @@ _MODULE_KEYS = frozenset(vars(nn.Module())) - {"training"}
 _CONTAINERS = (list, dict, set, bytearray)
 
 
+#: tensor attributes larger than this are shared with the replays, not copied (a module that
+#: holds a whole dataset as an attribute would otherwise be copied at every replayed call)
+COPY_LIMIT_BYTES = 64 * 2**20
+
+
 def _stand_in(value: Any) -> Any:
     """What the replays see instead of ``value`` (``value`` itself when rebinding is enough)."""
     if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-        return value.detach().clone() if not value.requires_grad else value.clone()
+        if value.numel() * value.element_size() > COPY_LIMIT_BYTES:
+            return value
+        try:
+            return value.detach().clone() if not value.requires_grad else value.clone()
+        except Exception:  # a tensor subclass that cannot be cloned: rebinding only
+            return value
     if isinstance(value, _CONTAINERS):
         try:
             return copy.copy(value)
