@@ -838,7 +838,15 @@ def _lower_lr(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | 
     what = "the largest |weight|" if weights else "the gradient norm"
     factor = lr_factor(g) if g else 0.1  # a spike, no steady rate: a tenfold cut
     evidence = []
-    if g:
+    adaptive = finding.data.get("lr_factor")
+    if adaptive:  # an adaptive optimizer: its step is lr, so the cut is sized from lr itself
+        factor = float(adaptive)
+        evidence.append(
+            f"{finding.data.get('optimizer')} changes a weight by about lr a step; the weights "
+            f"moved +{_n(float(finding.data.get('increment', 0.0)))} a step, so x{factor:g} "
+            f"(lr={float(finding.data.get('lr', 0.0)) * factor:g}) brings that to about "
+            "0.1% of their size")
+    elif g:
         evidence.append(f"{what} grew about {g:.3g}x a step, +{_pct(g - 1)} a step")
         evidence.append(
             f"if the change a step scales with the learning rate, x{factor:g} brings it to "

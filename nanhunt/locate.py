@@ -105,6 +105,8 @@ def find_origin(
             continue
         candidates.append(r)
     for r in candidates:
-        if not (r.one_sided_neginf and r.role == "input"):
+        # an input that is only -inf, fed to a module, is most likely a mask that went wrong
+        # later; a later record explains more. A loss's target (no module consumes it) is data.
+        if not (r.one_sided_neginf and r.role == "input" and r.consumers):
             return r
     return candidates[0] if candidates else None

@@ -111,7 +111,10 @@ def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code:
         return t
     ended = rerun.run.status == "complete" or rerun.run.exit_code == 0
     o = original.first_failure
-    if t.steps < target_steps and not (ended and o is not None and t.steps > o.step):
+    # a script that ends sooner than the target verifies when it ran past the failure, or, for
+    # a problem with nothing non-finite (a rising loss, skips), when it ran all its steps again
+    covered = t.steps > o.step if o is not None else t.steps >= len(original.steps)
+    if t.steps < target_steps and not (ended and covered):
         t.reason = f"it stopped after {t.steps} of {target_steps} steps ({rerun.run.status})"
         return t
     if exit_code not in (0,) and rerun.run.status == "crashed":

@@ -293,8 +293,10 @@ def _float_leaves(obj: Any) -> list:
 def zoom_into(trace: Trace, snap: Snapshot) -> None:
     """Name the first non-finite aten op of the culprit and the user's source line."""
     f = trace.first_failure
-    if f is None or f.phase == "data":
-        return  # a bad batch is bad before any op runs
+    if f is None or f.phase in ("data", "optimizer"):
+        # a bad batch is bad before any op runs; an optimizer's op is zoom_optimizer's (a
+        # forward replay would only show the non-finite weight being read)
+        return
     if snap.stale_inputs:
         trace.notes.append(
             f"the captured inputs of {snap.name} ({', '.join(snap.stale_inputs)}) were changed "

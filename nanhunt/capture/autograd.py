@@ -94,21 +94,19 @@ class AutogradObserver(Part):
 
     def _grad_meta(self, idx: int, grad: torch.Tensor, step: int) -> _Meta:
         src = self.rec.metas[idx]
+        call = src.consumers[-1] if src.consumers else src.parent
         if src.consumers:
-            blamed = self.cur.calls[src.consumers[-1]].name
             tensor = "grad_" + src.consumer_paths[-1]
-        elif src.parent is not None:
-            blamed = self.cur.calls[src.parent].name
-            tensor = f"grad of {src.owner}.{src.tensor}"
         else:
-            blamed, tensor = "", f"grad of {src.owner}.{src.tensor}"
+            tensor = f"grad of {src.owner}.{src.tensor}"
+        blamed = self.cur.calls[call].name if call is not None else ""
         return _Meta(
             step=step, order=self.cur.next_order(), phase="backward", module=blamed,
             tensor=tensor,
             role="grad_input" if src.consumers else "grad_output",
             dtype=str(grad.dtype).removeprefix("torch."), shape=tuple(grad.shape),
             owner=src.owner if src.role == "output" else "", producer=None, parent=None,
-            also_owners=list(src.also_owners),
+            also_owners=list(src.also_owners), call=call,
         )
 
     @_safe

@@ -35,6 +35,12 @@ class Judge:
         # occurrence when that step left the weights unchanged
         self.traced_steps: set[int] = set()
         self.untraced_failure: Failure | None = None
+        # replays a skipped step's culprit without the loss scale (Hunt's snapshots); see
+        # :meth:`scale_free`
+        self.probe: Any = None
+        self.probes_left = 16
+        self.probe_detail: str | None = None
+        self.origin_call: int | None = None  # the culprit's call in its step, when known
 
     def before_failure(self, meta: _Meta) -> bool:
         """Per-layer ranges stop at the origin: what follows it is contaminated."""
@@ -67,6 +73,8 @@ class Judge:
                                f"(scale -> {d.scale_after:g})")
             if d.scale_after < self.collapse_scale and problem is None:
                 problem = "collapse"
+            elif problem is None and self.scale_free(d):
+                problem = "scale_free"
         elif d.scale_after is not None and not rec.skipped:
             self.skip_streak = 0
         if problem is None:
@@ -107,6 +115,26 @@ class Judge:
         self.failure_order = self.origin_order
         if self.on_failure is not None:
             self.on_failure(d, origin_step)
+
+    def scale_free(self, d: _StepData) -> bool:
+        """A skipped step whose non-finite gradient does not come from the loss scale: the
+        module whose backward made it, replayed with its gradients unscaled, still makes it.
+        GradScaler's skips are then not calibration but the symptom of a backward op (sqrt
+        or a norm at 0) or of gradients too large for the format, found at the first skip
+        instead of after the scale has collapsed."""
+        if self.probe is None or self.probes_left <= 0 or self.first_failure is not None \
+                or d.index in self.dismissed or d.index not in self.traced_steps:
+            return False
+        recs, parents = self.recs(d)
+        origin = find_origin(recs, parents, None if d.loss is None else math.isfinite(d.loss))
+        if origin is None or origin.phase != "backward":
+            return False
+        m = d.metas[origin.index]
+        if not m.module or m.call is None:
+            return False
+        self.probes_left -= 1
+        self.probe_detail = self.probe(d, m.call)
+        return self.probe_detail is not None
 
     def root_output_bad(self, d: _StepData) -> bool:
         if d.loss is not None or any(m.role in ("loss", "param_grad") for m in d.metas):
@@ -150,11 +178,13 @@ class Judge:
             return None
         m, r = d.metas[origin.index], d.rows[origin.index]
         self.origin_order = m.order
+        self.origin_call = m.call if m.call is not None else m.producer
         phase = m.phase
         if problem == "collapse":
             phase = "loss_scaling" if m.phase == "backward" else m.phase
+        detail = (self.probe_detail or "") if problem == "scale_free" else ""
         return Failure(step=d.index, phase=phase, module=m.module, tensor=m.tensor,
-                       stats=self.recorder.stats(m, r))
+                       stats=self.recorder.stats(m, r), detail=detail)
 
     def note_absorbed(self, d: _StepData) -> None:
         for m, r in zip(d.metas, d.rows):

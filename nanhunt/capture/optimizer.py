@@ -53,6 +53,7 @@ class OptimizerObserver(Part):
                  measure_grads: bool = True) -> None:
         super().__init__(session)
         self._closure: _Closure | None = None
+        self._extra = False  # the step in flight is optimizer.step() after scaler.update()
         self.check_params = check_params  # rows for the updated parameters
         self.measure_grads = measure_grads  # the gradient norm, unless measured already
 
@@ -78,6 +79,9 @@ class OptimizerObserver(Part):
         if self.cur.step_scaler and scaler is not None and scaler.is_enabled() and \
                 not self.s._in_scaler_step:
             self._outside_scaler_step(optimizer, scaler)
+        elif scaler is not None and scaler.is_enabled() and self._after_update(optimizer):
+            self._extra = True
+            return None  # part of the step scaler.update() ended, not a step of its own
         # (args[0] is the optimizer itself: a positional closure is args[1])
         closure = callable(kwargs.get("closure")) or (len(args) > 1 and callable(args[1]))
         if self.s.keep_tensors and self.judge.first_failure is None and not closure and \
@@ -105,6 +109,13 @@ class OptimizerObserver(Part):
     @_safe
     def _on_opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.s._active:
+            return
+        if self._extra:
+            self._extra = False
+            if self.check_params:  # what the repeated update made of the weights
+                self._queue_params([p for group in optimizer.param_groups
+                                    for p in group["params"]
+                                    if _stats.summarizable(p) and not p.is_sparse])
             return
         if self.s._closure_step == self.s._step:
             # rows of the closure's later calls (LBFGS calls it several times); the gradient
@@ -171,6 +182,25 @@ class OptimizerObserver(Part):
             type=type(optimizer).__name__, lr=number("lr"), eps=number("eps"),
             param_dtypes=sorted({str(p.dtype).removeprefix("torch.") for p in params}),
             params=len(params), source=source, source_line=line or None)
+
+    def _after_update(self, optimizer: Any) -> bool:
+        """optimizer.step() after scaler.update(), before any forward or backward of the next
+        step (a line left over from the loop before AMP): it applies the gradients of the step
+        that just ended again, the inf/NaN ones GradScaler skipped included."""
+        s, prev = self.s, self.s._step - 1
+        if s._in_scaler_step or s._updated_step != prev or self.cur.did_backward \
+                or self.cur.calls:
+            return False
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not any(id(p) in s._updated_params for p in params):
+            return False
+        # one sync, on a misuse only: are the gradients it applies the ones GradScaler refused?
+        found_inf = any(not bool(torch.isfinite(p.grad).all())
+                        for p in params if p.grad is not None)
+        if found_inf:
+            self.rec.data_for(prev).applied_anyway = True
+        s._misuse("optimizer_stepped_twice", found_inf=found_inf, step=prev)
+        return True
 
     def _outside_scaler_step(self, optimizer: Any, scaler: Any) -> None:
         """optimizer.step() called by the user's loop while GradScaler scales its gradients."""

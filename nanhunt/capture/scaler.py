@@ -63,6 +63,7 @@ class ScalerObserver(Part):
 
     def _after_update(self, scaler: Any) -> None:
         self.rec.scalar(scaler._scale.clone(), "scale_after")
+        self.s._updated_step, self.s._updated_params = self.s._step, self.cur.scaled_grad_params
         self.s._end_step()
 
     def _wrap_unscale(self, original: Any) -> Any:

@@ -141,6 +141,10 @@ class Session:
         self._saw_optimizer = False
         self._optimizer_ran_step = -1
         self._unscaled_step = -1
+        # the step scaler.update() ended, and the parameters whose gradients it scaled: an
+        # optimizer.step() before the next backward applies those gradients again
+        self._updated_step = -1
+        self._updated_params: set[int] = set()
         self._closure_step = -1
         self._in_closure = 0  # depth of optimizer closures running (LBFGS, Lightning)
         self._optimizers_seen: set[int] = set()
@@ -303,15 +307,16 @@ class Session:
 
     # -- shared by the observers ----------------------------------------------------------
 
-    def _misuse(self, code: str, *, found_inf: bool = False) -> None:
-        rec = self.recorder.step_record(self._step)
+    def _misuse(self, code: str, *, found_inf: bool = False, step: int | None = None) -> None:
+        step = self._step if step is None else step
+        rec = self.recorder.step_record(step)
         first_this_step = code not in rec.misuse
         if first_this_step:
             rec.misuse.append(code)
         call = self.loop_calls.get(code)
         if call is None:
             source, line = user_frame()
-            self.loop_calls[code] = LoopCall(code, self._step, source, line or None,
+            self.loop_calls[code] = LoopCall(code, step, source, line or None,
                                              found_inf=found_inf)
         elif first_this_step:
             call.steps += 1
@@ -490,6 +495,8 @@ class Hunt(Session):
         self.modules = ModuleObserver(self)
         self.autograd = AutogradObserver(self)
         self.naming.on_param = self.autograd.hook_param
+        if self.keep_tensors:  # a skipped step's culprit can be replayed without the scale
+            self.judge.probe = self.snapshots.probe_unscaled
 
     def _observers(self) -> list[Any]:
         return [self.modules, self.autograd, *super()._observers()]

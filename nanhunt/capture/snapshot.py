@@ -8,7 +8,7 @@ import inspect
 import torch
 
 from .. import stats as _stats
-from ._util import _MAX_ANCESTOR_COPY, _call_leaves, _clone_tree
+from ._util import _MAX_ANCESTOR_COPY, _call_leaves, _clone_tree, _leaves, map_tensors
 from .state import Part, Snapshot, _Call, _StepData
 
 
@@ -29,7 +29,7 @@ class Snapshots(Part):
                 self.bad_samples_of(f.tensor, t)
             return
         # (a collapsing scale fails the same way every step: this step's call will do)
-        call = next((c for c in reversed(self.cur.calls) if c.name == f.module), None)
+        call = self.culprit_call(f.module, f.step)
         if call is None or call.args is None:
             return
         stale = list(call.mutated_inputs)
@@ -56,6 +56,74 @@ class Snapshots(Part):
             self.bad_samples(call)
         else:
             self.s.snapshot.ancestors = self.ancestor_snapshots(call)
+
+    def culprit_call(self, module: str, step: int) -> _Call | None:
+        """The culprit's call in this step: the one the judge located when it was this step
+        (a module called twice, with and without gradients), else its last call."""
+        cid = self.judge.origin_call
+        if step == self.s._step and cid is not None and cid < len(self.cur.calls) \
+                and self.cur.calls[cid].name == module:
+            return self.cur.calls[cid]
+        return next((c for c in reversed(self.cur.calls) if c.name == module), None)
+
+    def probe_unscaled(self, d: _StepData, call_id: int) -> str | None:
+        """Whether the gradient a module call's backward made non-finite in a step GradScaler
+        skipped stays non-finite without the loss scale: its call is replayed, on copies and
+        with nanhunt's hooks off, backward from the gradients it received divided by the scale.
+        A text saying so when it does (no scale would have avoided it: an op at a special
+        point, or gradients too large for the format unscaled); None when the unscaled replay
+        is finite (GradScaler's overflow on purpose) or the call cannot be replayed."""
+        scale = d.scale
+        call = self.cur.calls[call_id] if call_id < len(self.cur.calls) else None
+        if not scale or call is None or call.args is None \
+                or sum(p.numel() for p in call.module.parameters()) > _MAX_ANCESTOR_COPY:
+            return None
+        grads = [self.cur.grads.get(i) for i in call.output_rows]
+        if not any(g is not None for g in grads) or any(
+                g is not None and not bool(torch.isfinite(g).all()) for g in grads):
+            return None  # it received a non-finite gradient: not its own doing
+        devices = sorted({t.device.index for _, t in _leaves(call.args, "")
+                          if t.device.type == "cuda" and t.device.index is not None})
+        was_active, self.s._active = self.s._active, False
+        try:
+            with torch.random.fork_rng(devices=devices):
+                finite = self._replay_backward(call, [None if g is None else g / scale
+                                                      for g in grads])
+        except Exception:  # the call cannot be replayed alone: no evidence either way
+            return None
+        finally:
+            self.s._active = was_active
+        if finite is None or finite:
+            return None
+        return (f"replayed alone with its gradient unscaled (divided by the loss scale "
+                f"{scale:g}), {call.name}'s backward still made non-finite values: no loss scale "
+                "avoids them")
+
+    @staticmethod
+    def _replay_backward(call: _Call, grad_outputs: list) -> bool | None:
+        module = copy.deepcopy(call.module)
+        for p in module.parameters():
+            p.grad = None
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().clone()
+            return t.requires_grad_(t.is_floating_point())
+
+        args = map_tensors(call.args, leaf)
+        kwargs = _clone_tree(call.kwargs or {})
+        enabled, dtype = call.autocast
+        device = next((t.device.type for _, t in _leaves(args, "")), "cpu")
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=bool(enabled)):
+            out = module(*args, **kwargs)
+        outs = [t for _, t in _leaves(out, "") if _stats.summarizable(t)]
+        pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, grad_outputs)
+                 if g is not None and o.requires_grad and o.shape == g.shape]
+        if not pairs:
+            return None
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads = [t.grad for _, t in _leaves(args, "") if t.grad is not None]
+        grads += [p.grad for p in module.parameters() if p.grad is not None]
+        return all(bool(torch.isfinite(g).all()) for g in grads)
 
     def ancestor_snapshots(self, call: _Call) -> list[Snapshot]:
         out: list[Snapshot] = []

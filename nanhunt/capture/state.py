@@ -36,6 +36,7 @@ class _Meta:
     mutated: bool = False
     allowed: bool = False
     approx: Any = None  # a cheap row (counts are flags): weakref to the tensor to redo exactly
+    call: int | None = None  # for a gradient row: the module call whose backward made it
 
 
 @dataclass

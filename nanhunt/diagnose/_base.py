@@ -49,7 +49,7 @@ PRECEDENCE = (
 
 #: Rules whose errors are the diagnosis even when no value went non-finite.
 ALWAYS_PRIMARY = ("scaler-crash", "range-constant", "scaler-misuse", "exploding-gradient",
-                  "skip-streak")
+                  "skip-streak", "weight-growth")
 
 #: Errors a primary diagnosis explains: they are its consequences, not warnings of their own
 #: (a misused GradScaler makes updates that look like a learning rate too high).

@@ -243,6 +243,10 @@ def _classify_backward(ctx: Context) -> _Class:
     evidence = [_describe_failure(f, fmt)]
     if ctx.scaler:
         evidence.append(f"observed at loss scale {scale:g}")
+    rec = ctx.steps.get(f.step)
+    if f.detail and rec is not None and rec.skipped:
+        # the judge's unscaled replay: the skip is this op's doing, not calibration
+        evidence.append(f"GradScaler skipped step {f.step}; {f.detail}")
     data: dict[str, Any] = {"dtype": s.dtype, "op": op, "scale": scale}
     large: list[str] = []
 

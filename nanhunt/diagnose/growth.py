@@ -7,6 +7,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from ..trace import Finding, LayerStats, Trace
 from ._base import (
@@ -53,6 +54,91 @@ def _weight_growth(ctx: Context) -> tuple[LayerStats, Growth, list[tuple[int, fl
     return best
 
 
+#: Optimizers whose update per weight is about lr whatever the gradient's size (m / sqrt(v)):
+#: clipping the gradient does not shrink their steps, only a lower learning rate does.
+ADAPTIVE = frozenset({"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad",
+                      "Adadelta", "SparseAdam", "FusedAdam", "Lion", "Adafactor"})
+
+#: Change of a weight per step, relative to its size, that an adaptive optimizer's lr is cut to.
+ADAPTIVE_UPDATE = 1e-3
+
+
+@dataclass
+class _AdaptiveGrowth:
+    layer: LayerStats
+    points: list[tuple[int, float]]
+    increment: float  # median growth of the largest |weight| per applied step
+    optimizer: str
+    lr: float
+    factor: float  # the lr cut that brings the change per step to ADAPTIVE_UPDATE
+
+
+def _adaptive_growth(ctx: Context) -> _AdaptiveGrowth | None:
+    """Weights that grow by about the learning rate at every applied step under an adaptive
+    optimizer: linear growth, which the geometric test misses, with each step's change as large
+    as lr (Adam's step size) and the weights several times their first size."""
+    opts = [o for o in ctx.trace.optimizers if o.type in ADAPTIVE and _finite_pos(o.lr)]
+    if not opts:
+        return None
+    opt = max(opts, key=lambda o: o.lr or 0.0)
+    lr = float(opt.lr or 0.0)
+    best = None
+    for layer in ctx.trace.layers:
+        points = ctx.pre_points(layer.param_amax_by_step)[-ctx.th.window:]
+        vals = [v for _, v in points]
+        if len(vals) < 4 or vals[-1] < 2 * vals[0] or vals[-1] < ctx.th.weight_floor:
+            continue
+        incs = [b - a for a, b in itertools.pairwise(vals)]
+        if sum(i > 0 for i in incs) * 4 < 3 * len(incs):
+            continue
+        inc = statistics.median(incs)
+        if inc < 0.25 * lr:
+            continue
+        if best is None or vals[-1] / vals[0] > best.points[-1][1] / best.points[0][1]:
+            size = statistics.median(vals)
+            f = ADAPTIVE_UPDATE * size / inc
+            factor = max(1e-4, min(0.1, 10.0 ** math.floor(math.log10(f))))
+            best = _AdaptiveGrowth(layer, points, inc, opt.type, lr, factor)
+    return best
+
+
+def _adaptive_finding(ctx: Context, a: _AdaptiveGrowth) -> Finding:
+    f = ctx.failure
+    pts = a.points
+    evidence = [
+        f"{a.layer.module}'s largest |weight| by applied step ({_span(pts)}): {_series(pts)}: "
+        f"+{_n(a.increment)} a step, the size of {a.optimizer}'s update at lr={a.lr:g} "
+        "(it moves each weight by up to lr per step, whatever the gradient's size)",
+        f"the weights are {pts[-1][1] / pts[0][1]:.3g}x their size at step {pts[0][0]}: "
+        "clipping the gradient norm does not shrink an adaptive optimizer's steps",
+    ]
+    norms = ctx.grad_norms(include_failure=False)
+    if norms:
+        evidence.append(f"gradient norm by step ({_span(norms[-6:])}): {_series(norms)}")
+    then = f" before the failure at step {f.step}" if f is not None else ""
+    # no value went non-finite, but the run pays already: its loss rose many times over
+    losses = [(st.index, st.loss) for st in sorted(ctx.trace.steps, key=lambda st: st.index)
+              if st.loss is not None and math.isfinite(st.loss) and st.loss > 0
+              and ctx.before_failure(st.index)]
+    rose = len(losses) >= 4 and losses[-1][1] >= ctx.th.loss_spike * losses[0][1]
+    if rose:
+        evidence.append(f"the loss rose from {_n(losses[0][1])} (step {losses[0][0]}) to "
+                        f"{_n(losses[-1][1])} (step {losses[-1][0]})")
+    return _finding(
+        "error" if f is not None or rose else "warning",
+        f"{a.layer.module}'s weights grew by about lr={a.lr:g} at every step "
+        f"({_n(pts[0][1])} -> {_n(pts[-1][1])} over {_span(pts)}){then}: the learning rate is "
+        f"too high for {a.optimizer}",
+        evidence,
+        step=pts[-1][0],
+        module=a.layer.module,
+        score=6.0,
+        data={"growth_per_step": (pts[-1][1] / pts[0][1]) ** (1 / max(1, len(pts) - 1)),
+              "from": pts[0][1], "to": pts[-1][1], "lr_factor": a.factor,
+              "increment": a.increment, "optimizer": a.optimizer, "lr": a.lr},
+    )
+
+
 @rule(id="weight-growth", kind="lr_too_high", needs=("param_amax",))
 def weight_growth(trace: Trace, ctx: Context) -> Iterator[Finding]:
     """Weights grew fast step over step (largest |weight| after each update), before a failure
@@ -60,6 +146,12 @@ def weight_growth(trace: Trace, ctx: Context) -> Iterator[Finding]:
     f = ctx.failure
     if f is not None and f.phase in ("data", "optimizer"):
         return
+    adaptive = _adaptive_growth(ctx)
+    if adaptive is not None:  # Adam's steps are lr whatever the gradients do
+        yield _adaptive_finding(ctx, adaptive)
+        return
+    if _recurrent_explosion(ctx) is not None:
+        return  # the weights grew because the gradients through time did: exploding-gradient's
     found = _weight_growth(ctx)
     if found is None:
         return
@@ -109,13 +201,73 @@ def _grad_site(ctx: Context) -> tuple[str, list[tuple[int, float]]] | None:
         return best
 
     if any(len(p) > 1 for _, p in cands):
-        layer, pts = max(cands, key=lambda c: (growth(c[1]), -ctx.order.get(c[0].module, 0)))
+        # growth made in a module shows in its own gradients and in those of every module
+        # upstream of it (they receive its gradient): of the modules that grew about as much as
+        # the most, the one nearest the loss (last in forward order) is where it starts
+        top = max(growth(p) for _, p in cands)
+        strong = [c for c in cands if math.log(growth(c[1])) >= 0.5 * math.log(top)]
+        layer, pts = max(strong, key=lambda c: ctx.order.get(c[0].module, -1))
     else:
         layer, pts = max(cands, key=lambda c: c[1][-1][1])
     ancestors = [o.module for o in ctx.trace.layers if o.module
                  and ctx.is_descendant(layer.module, o.module) and o.calls >= layer.calls]
     # the outermost module called as often (per step) as the site: the recurrent cell
     return min(ancestors, key=len, default=layer.module), pts
+
+
+_RECURRENT = ("RNN", "LSTM", "GRU")
+
+
+def _recurrent_explosion(ctx: Context) -> str | None:
+    """The module, when the gradient norm exploded (one order of magnitude or more) and it
+    grows in a recurrent module: an RNN/LSTM/GRU, or a cell with parameters called several
+    times a step (a hand-written loop through time). Gradients through time explode by
+    themselves (the recurrent weight's gain, step after step); the weights an optimizer like
+    SGD then grows are their consequence, and clipping, not a lower lr, is the fix."""
+    found = _grad_explosion(ctx)
+    if found is None:
+        return None
+    how, points, factor = found
+    if how == "growth":
+        g = _growth(points, from_min=True)
+        factor = g.total if g is not None else 0.0
+    if factor < ctx.th.grad_spike:
+        return None
+    site = _grad_site(ctx)
+    if site is None:
+        return None
+    layer = ctx.layer(site[0])
+    steps = max(1, len(layer.forward_amax_by_step)) if layer is not None else 1
+    recurrent = layer is not None and (any(w in layer.type for w in _RECURRENT)
+                                       or layer.calls >= 2 * steps)
+    return site[0] if recurrent else None
+
+
+def _explosion_harm(ctx: Context, step: int) -> str | None:
+    """What the run paid within two steps of a gradient explosion at ``step``: a loss that
+    jumped far above its median, or GradScaler skipping steps after applying updates (not the
+    calibration skips at the start)."""
+    steps = sorted(ctx.trace.steps, key=lambda s: s.index)
+    near = [s for s in steps if step <= s.index <= step + 2]
+    before = [s.loss for s in steps if s.index < step and s.loss is not None
+              and math.isfinite(s.loss)]
+    applied_before = any(not s.skipped for s in steps if s.index < step)
+    grew = {e.step for e in ctx.trace.scaler_events if e.event == "growth"}
+    # (a skip right after GradScaler raised the scale is how it probes: not a cost)
+    skipped = [s.index for s in near if s.skipped and s.index > step and s.index - 1 not in grew]
+    if skipped and applied_before:
+        return (f"GradScaler skipped step{'s' if len(skipped) > 1 else ''} "
+                f"{', '.join(map(str, skipped))} right after it: the scaled gradients "
+                "overflowed although earlier steps at the same scale had fit")
+    if len(before) >= 2:
+        med = statistics.median(before)
+        high = [(s.index, s.loss) for s in near if s.loss is not None and math.isfinite(s.loss)
+                and med > 0 and s.loss >= ctx.th.loss_spike * med]
+        if high:
+            i, v = high[0]
+            return (f"the loss jumped to {_n(v)} at step {i}, {v / med:.3g}x its median "
+                    f"({_n(med)}) before")
+    return None
 
 
 def _grad_explosion(ctx: Context) -> tuple[str, list[tuple[int, float]], float] | None:
@@ -183,8 +335,13 @@ def exploding_gradient(trace: Trace, ctx: Context) -> Iterator[Finding]:
         evidence.append(f"GradScaler skipped {len(skipped)} steps whose scaled gradients "
                         f"overflowed ({_span([(i, 0.0) for i in skipped])}): the loss stayed "
                         "finite, the gradients did not")
-    # orders of magnitude is a problem even while the loss is finite and GradScaler skips
+    # orders of magnitude is a problem even while the loss is finite and GradScaler skips; one
+    # order is when the run pays for it at once (a loss spike, skips after applied steps)
     severe = factor >= ORDERS if how == "spike" else data["total"] >= ORDERS
+    harm = _explosion_harm(ctx, points[-1][0])
+    if harm and not severe and (factor if how == "spike" else data["total"]) >= ctx.th.grad_spike:
+        severe = True
+        evidence.append(harm)
     last = max((s.index for s in trace.steps), default=None)
     if trace.partial and points[-1][0] == last:
         severe = False  # the step a crash interrupted: its gradients may be half-reduced

@@ -483,10 +483,13 @@ def skip_streak(trace: Trace, ctx: Context) -> Iterator[Finding]:
         harm.append(f"every one of the {calib} steps was skipped: no update was applied (the "
                     f"scale fell from {steps[0].scale:g} to {steps[-1].scale:g} and the gradients "
                     "still overflowed)")
-    elif share >= SKIP_SHARE and len(skipped) >= 5 and len(skipped) - calib >= 2:
-        # (calibration alone is normal however short the run: skips must go on after it)
-        harm.append(f"{_pct(share)} of the run's steps were skipped, "
-                    f"{len(skipped) - calib} of them after the scale calibrated")
+    elif share >= SKIP_SHARE and len(skipped) >= 5:
+        # calibration is normal, but not when it costs a large share of the run's updates (an
+        # init_scale far above what the gradients allow: a summed loss, a Megatron-size scale)
+        after = len(skipped) - calib
+        harm.append(f"{_pct(share)} of the run's steps were skipped ({calib} while the scale "
+                    "calibrated" + (f", {after} after it" if after else "") + "): those "
+                    "updates never happened")
     data = {"skipped": len(skipped), "steps": len(steps), "calibration": calib,
             "scheduler_steps": [s.index for s in sched], "after_calibration": len(later),
             "share": share, "summed_loss": summed, "init_k": init_k}

@@ -33,6 +33,8 @@ RUNS = {
     "outside_mlp": ["scaler_step_outside_mlp.py"],
     "outside_cnn": ["scaler_step_outside_cnn.py"],
     "double_mlp": ["scaler_step_outside_mlp.py", "--double", "--steps", "2"],
+    "leftover_mlp": ["scaler_step_outside_mlp.py", "--leftover", "--steps", "3"],
+    "leftover_cnn": ["scaler_step_outside_cnn.py", "--leftover", "--steps", "3"],
     "clip_gru": ["scaler_clip_before_unscale_gru.py", "--steps", "2"],
     "clip_mlp": ["scaler_clip_before_unscale_mlp.py", "--steps", "2"],
     "adam_transformer": ["adam_eps_half_transformer.py"],
@@ -42,15 +44,19 @@ RUNS = {
     "layernorm": ["layernorm_eps_half_cnn.py"],
     "pixels": ["raw_pixels_cnn.py"],
     "tabular": ["tabular_thousands_mlp.py"],
+    "logtarget_mlp": ["log_target_zero.py", "--arch", "mlp", "--steps", "5"],
+    "logtarget_conv1d": ["log_target_zero.py", "--arch", "conv1d", "--steps", "5"],
     # healthy controls: the same scripts with the fix (correct scaler order with clipping
     # after unscale_, fp32 master weights, a nonzero eps, normalised inputs), and legitimately
     # large inputs that fit
-    "ok_outside_mlp": ["scaler_step_outside_mlp.py", "--fixed", "--steps", "10"],
+    # (24 steps: its summed loss costs 7 calibration skips and one more, 40% of 20 steps)
+    "ok_outside_mlp": ["scaler_step_outside_mlp.py", "--fixed", "--steps", "24"],
     "ok_adam_master": ["adam_eps_half_cnn.py", "--fixed", "master", "--steps", "3"],
     "ok_adam_eps": ["adam_eps_half_transformer.py", "--fixed", "eps", "--steps", "3"],
     "ok_rmsnorm": ["rmsnorm_eps_half_transformer.py", "--fixed", "eps", "--steps", "3"],
     "ok_pixels": ["raw_pixels_cnn.py", "--normalize", "--steps", "3"],
     "ok_pixels_8bit": ["healthy_raw_pixels_8bit.py", "--steps", "4"],
+    "ok_logtarget": ["log_target_zero.py", "--arch", "conv1d", "--fixed", "--steps", "5"],
 }
 
 #: the scripts under plain python (no nanhunt): the failures and their float32/fixed controls
@@ -59,9 +65,13 @@ PLAIN = {
     "outside_mlp_fixed": ["scaler_step_outside_mlp.py", "--fixed", "--steps", "2"],
     "outside_cnn": ["scaler_step_outside_cnn.py", "--steps", "2"],
     "outside_cnn_fixed": ["scaler_step_outside_cnn.py", "--fixed", "--steps", "2"],
+    "leftover_mlp": ["scaler_step_outside_mlp.py", "--leftover", "--steps", "3"],
+    "leftover_cnn": ["scaler_step_outside_cnn.py", "--leftover", "--steps", "3"],
     "layernorm_fixed": ["layernorm_eps_half_cnn.py", "--fixed", "eps", "--steps", "2"],
     "pixels_fp32": ["raw_pixels_cnn.py", "--fp32", "--steps", "2"],
     "tabular_fp32": ["tabular_thousands_mlp.py", "--fp32", "--steps", "2"],
+    "logtarget_mlp": ["log_target_zero.py", "--arch", "mlp", "--steps", "5"],
+    "logtarget_conv1d": ["log_target_zero.py", "--arch", "conv1d", "--steps", "5"],
 }
 
 
@@ -184,6 +194,32 @@ def test_optimizer_stepped_again_after_scaler_step(runs):
     assert d["data"]["source"].endswith(f"{script}:{line}")
     assert "remove the optimizer.step() call" in d["message"]
     assert "learning rate" not in json.dumps([d, r.report["warnings"]]).lower()
+
+
+@pytest.mark.parametrize(("key", "script"), [("leftover_mlp", "scaler_step_outside_mlp.py"),
+                                           ("leftover_cnn", "scaler_step_outside_cnn.py")])
+def test_optimizer_step_left_after_scaler_update(runs, plain, key, script):
+    # reference: under plain python the loss is finite at step 0 and NaN from step 1 on (the
+    # leftover call applied step 0's skipped, inf gradients)
+    losses = plain[key]
+    assert math.isfinite(losses[0]) and all(math.isnan(v) for v in losses[1:])
+    r = runs[key]
+    assert r.code == 1
+    d = r.diagnosis
+    assert (d["rule"], d["kind"], d["phase"], d["step"], d["data"]["misuse"]) == (
+        "scaler-misuse", "loss_scale", "loss_scaling", 0, "optimizer_stepped_twice")
+    lines = (SCRIPTS / script).read_text().splitlines()
+    # the optimizer.step() after scaler.update() in the --leftover branch
+    line = next(i for i in range(1, len(lines)) if lines[i - 1].strip() == "if args.leftover:"
+                and lines[i].strip() == "optimizer.step()") + 1
+    assert d["data"]["source"].endswith(f"{script}:{line}")
+    assert any("GradScaler found inf/NaN" in e for e in d["evidence"])
+    assert any("not a learning rate problem" in e for e in d["evidence"])
+    assert all(w["kind"] != "lr_too_high" for w in r.report["warnings"])
+    assert all(rec["type"] != "lower_lr" for rec in r.report["recommendations"])
+    # one step per iteration: the extra call is not a step of its own
+    assert [s["index"] for s in r.report["steps"]] == list(range(len(r.report["steps"])))
+    assert len(r.report["steps"]) <= 3
 
 
 @pytest.mark.parametrize(("key", "script", "call"), [
@@ -315,6 +351,29 @@ def test_unnormalised_input_is_bad_input(runs, plain, key, module):
         assert "/ 65535.0" in r.rec("normalize_input")["snippet"]
     # the float32 control of the same script trains: the range, not the model, is the problem
     assert all(math.isfinite(v) for v in plain[f"{key}_fp32"])
+
+
+@pytest.mark.parametrize("arch", ["mlp", "conv1d"])
+def test_a_non_finite_loss_target_is_bad_data(runs, plain, arch):
+    # references: the script's own data (the -inf targets and their batch positions, from
+    # torch.log of the zeros), and its losses under plain python (inf at that step only)
+    ns = runpy.run_path(str(SCRIPTS / "log_target_zero.py"), run_name="not_main")
+    _, y = ns["make_data"](arch)
+    batch = ns["BATCH"]
+    bad = torch.nonzero(~torch.isfinite(y[:, 0])).flatten().tolist()
+    step = bad[0] // batch
+    losses = plain[f"logtarget_{arch}"]
+    assert [i for i, v in enumerate(losses) if not math.isfinite(v)] == [step]
+    r = runs[f"logtarget_{arch}"]
+    assert r.code == 1
+    f, d = r.report["first_failure"], r.diagnosis
+    assert (f["step"], f["phase"], f["module"]) == (step, "data", "")
+    assert f["tensor"] == "target of MseLoss"
+    assert f["stats"]["neginf"] == len(bad) and f["stats"]["nan"] == 0
+    assert (d["rule"], d["kind"], d["phase"]) == ("bad-input", "bad_input", "data")
+    positions = [i - step * batch for i in bad]
+    assert any(f"batch positions {', '.join(map(str, positions))}" in e for e in d["evidence"])
+    assert r.report["recommendations"][0]["type"] == "fix_data"
 
 
 # ----------------------------------------------------------------------------- healthy controls

@@ -9,6 +9,7 @@ made once per module (``runs``), in a thread pool of two.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -36,6 +37,8 @@ RUNS = {
     "warmup-healthy": ([], EXAMPLES / "healthy_scaler_warmup.py", []),
     "collapse-cnn": ([], SCRIPTS / "collapse_signed_sqrt_cnn.py", []),
     "collapse-transformer": ([], SCRIPTS / "collapse_zero_norm_transformer.py", []),
+    "lr-adam-transformer": ([], SCRIPTS / "adam_lr_too_high.py", ["--arch", "transformer"]),
+    "lr-adam-gru": ([], SCRIPTS / "adam_lr_too_high.py", ["--arch", "gru"]),
     "sampled-ffn": (["--sample-every", "2"], EXAMPLES / "ffn_overflow.py", []),
     "sampled-nan": (["--sample-every", "2"], EXAMPLES / "nan_batch.py", []),
 }
@@ -234,11 +237,50 @@ def test_a_collapse_caused_by_a_backward_op_is_that_op(runs, refs, name, module)
     assert ref["phase"] == "backward" and ref["step"] == 0
     assert f["op"].removesuffix(".default") == ref["op"]  # the same aten op as the real run
     assert "sqrt" in f["source_line"]
-    assert any("collapse" in e or "lowered the scale" in e for e in run.diagnosis["evidence"])
+    # found at the first skip, not after the scale collapsed: replayed unscaled, the op still
+    # makes NaN, so no loss scale avoids it (and the run stops there)
+    assert (f["step"], f["phase"]) == (0, "backward")
+    assert run.report["steps"][0]["skipped"] is True
+    assert any("GradScaler skipped step 0" in e and "no loss scale avoids" in e
+               for e in run.diagnosis["evidence"])
     assert run.recs()[0] == "clamp"
     headline = run.text.splitlines()[1]
     assert "nan op in backward" in headline and module in headline
     assert "loss scale in loss_scaling" not in run.text + run.html
+
+
+# ----------------------------------------------------------------------------- 6c. lr
+
+
+def _plain_losses(script: Path, *args: str) -> list[float]:
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    return [float(line.split()[3]) for line in proc.stdout.splitlines()
+            if line.startswith("step ")]
+
+
+@pytest.mark.parametrize("arch", ["transformer", "gru"])
+def test_adam_weights_growing_by_lr_is_the_learning_rate(runs, arch):
+    run = runs[f"lr-adam-{arch}"]
+    d = run.diagnosis
+    assert (run.code, d.get("rule"), d.get("kind")) == (1, "weight-growth", "lr_too_high")
+    assert d["data"]["optimizer"] == "AdamW" and d["data"]["lr"] == 1.0
+    assert "clipping the gradient norm does not shrink" in " ".join(d["evidence"])
+    assert run.recs()[0] == "lower_lr"
+    factor = run.report["recommendations"][0]["value"]
+    script = SCRIPTS / "adam_lr_too_high.py"
+    # the advice applied by hand to the script (its --lr), against the references: the
+    # script as it is, and clipping after unscale_ (the exploding-gradient fix)
+    with ThreadPoolExecutor(3) as pool:
+        as_is, fixed, clipped = pool.map(lambda a: _plain_losses(script, "--arch", arch, *a), [
+            [], ["--lr", repr(1.0 * factor)], ["--clip", "1.0"]])
+
+    def diverged(losses: list[float]) -> bool:
+        return not all(math.isfinite(v) for v in losses) or losses[-1] >= 5 * losses[0]
+
+    assert diverged(as_is) and diverged(clipped)
+    assert not diverged(fixed) and max(fixed) <= 1.2 * fixed[0]
 
 
 # ----------------------------------------------------------------------------- 10. sampled

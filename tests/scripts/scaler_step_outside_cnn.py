@@ -7,6 +7,8 @@ optimizer.step() instead of scaler.step(optimizer), so the inf gradients of step
 SGD's momentum buffer and the conv weights become inf/NaN in that step, although no update was
 large before.
 --fixed calls scaler.step(optimizer): the calibration steps are skipped and the run trains.
+--leftover calls scaler.step(optimizer), scaler.update() and then optimizer.step() (the line
+from before the AMP port): step 0's skipped update is applied anyway, after the update.
 """
 
 import argparse
@@ -35,6 +37,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--fixed", action="store_true")
+    parser.add_argument("--leftover", action="store_true")
     args = parser.parse_args()
 
     model = Net()
@@ -51,11 +54,13 @@ def main():
         loss = F.cross_entropy(logits.float(), labels[idx])
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
-        if args.fixed:
+        if args.fixed or args.leftover:
             scaler.step(optimizer)
         else:
             optimizer.step()
         scaler.update()
+        if args.leftover:
+            optimizer.step()
         print(f"step {step} loss {loss.item():.4f} scale {scaler.get_scale():g}")
 
 

@@ -10,6 +10,8 @@ weight of the first layers becomes NaN at step 0, with no large update before.
 --fixed calls scaler.step(optimizer) (clipping after unscale_, the correct order): trains.
 --double calls scaler.step(optimizer) and then optimizer.step() as well (a leftover line):
 every update is applied twice, and step 0's skipped update is applied anyway.
+--leftover calls scaler.step(optimizer), scaler.update() and then optimizer.step(): the same
+leftover line, after the update.
 """
 
 import argparse
@@ -26,6 +28,7 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--fixed", action="store_true")
     parser.add_argument("--double", action="store_true")
+    parser.add_argument("--leftover", action="store_true")
     args = parser.parse_args()
 
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
@@ -50,9 +53,13 @@ def main():
         elif args.double:
             scaler.step(optimizer)
             optimizer.step()
+        elif args.leftover:
+            scaler.step(optimizer)
         else:
             optimizer.step()
         scaler.update()
+        if args.leftover:
+            optimizer.step()
         print(f"step {step} loss {loss.item():.4f} scale {scaler.get_scale():g}")
 
 

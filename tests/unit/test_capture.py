@@ -245,7 +245,7 @@ def test_scaler_skip_alone_is_not_a_failure():
     assert [e.event for e in hunt.scaler_events][:1] == ["backoff"]
 
 
-def test_scale_collapse_is_a_loss_scaling_problem():
+def _sqrt_at_zero_run(**hunt_kw):
     class Norm(nn.Module):
         def forward(self, x):
             return torch.sqrt((x * x).sum(-1, keepdim=True) * 0)
@@ -253,19 +253,56 @@ def test_scale_collapse_is_a_loss_scaling_problem():
     model = nn.Sequential(nn.Linear(4, 4), Norm())
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
-    with nanhunt.watch(model, opt, scaler) as hunt:
+    scales = []
+    with nanhunt.watch(model, opt, scaler, **hunt_kw) as hunt:
         for _ in range(6):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.randn(3, 4)).float().mean()
             opt.zero_grad()
+            scales.append(scaler.get_scale())
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
+    return hunt, scales
+
+
+def test_a_skip_no_loss_scale_avoids_is_found_at_the_first_skip():
+    # sqrt's derivative at 0 is inf whatever the scale: replayed with the gradient unscaled,
+    # the module's backward is still non-finite, so the first skip is the failure
+    hunt, scales = _sqrt_at_zero_run()
+    assert scales[:4] == [8.0, 4.0, 2.0, 1.0]  # GradScaler halved it every step (reference)
+    f = hunt.first_failure
+    assert hunt.problem == "scale_free"
+    assert (f.step, f.phase, f.module) == (0, "backward", "1")
+    assert "unscaled" in f.detail and "no loss scale avoids them" in f.detail
+
+
+def test_scale_collapse_is_a_loss_scaling_problem():
+    # without kept tensors there is no replay: the collapse below scale 1 is what is seen
+    hunt, _ = _sqrt_at_zero_run(keep_tensors=False)
     f = hunt.first_failure
     assert hunt.problem == "collapse"
     assert f.phase == "loss_scaling"
     assert f.step == 0  # the start of the run of skipped steps
     assert f.module == "1"
+
+
+def test_calibration_skips_pass_the_unscaled_replay():
+    # a scale far too high overflows the scaled gradients only: unscaled they are finite
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    with nanhunt.watch(model, opt, scaler) as hunt:
+        for _ in range(30):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 4)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    skipped = [s.skipped for s in hunt.steps]
+    assert sum(skipped) >= 10 and not skipped[-1]  # calibration happened (reference)
+    assert hunt.first_failure is None and hunt.problem is None
 
 
 def test_ring_buffer_is_bounded():

@@ -13,6 +13,7 @@ from nanhunt.trace import (
     CastCounts,
     Failure,
     LayerStats,
+    OptimizerInfo,
     RunInfo,
     StepRecord,
     TensorStats,
@@ -95,6 +96,90 @@ def test_a_tenfold_growth_alone_stays_a_warning():
     diagnose(t, strict=True)
     assert t.diagnosis is None
     assert [w.rule for w in t.warnings] == ["exploding-gradient"]
+
+
+def test_growth_is_named_where_it_starts_nearest_the_loss():
+    # embed <- rnn <- proj in backward: the gradient grows in rnn and reaches embed through it,
+    # so embed grows even more; proj, after rnn, does not grow (10x is the least that counts)
+    t = growth_trace(
+        {"embed": 1, "rnn": 1, "proj": 1},
+        {"embed": [1.0, 2.0, 30.0, 100.0, 230.0], "rnn": [1.0, 1.5, 8.0, 20.0, 43.0],
+         "proj": [5.0, 5.5, 6.0, 5.0, 8.0]},
+    )
+    diagnose(t, strict=True)
+    assert t.diagnosis.module == "rnn"  # log 43 >= half of log 230; proj's 1.6x is not
+
+
+def test_a_tenfold_spike_the_run_pays_for_is_an_error():
+    # a 26x spike (below the 100x that is an error by itself), then GradScaler skips the next
+    # steps at the scale that had fit the earlier ones: the run pays for it
+    norms = [0.62, 0.57, 0.6, 16.0]
+    steps = [StepRecord(index=i, loss=7.0, grad_norm=v, scale=65536.0)
+             for i, v in enumerate(norms)]
+    steps += [StepRecord(index=4, loss=150.0, scale=65536.0, skipped=True),
+              StepRecord(index=5, loss=150.0, scale=32768.0, skipped=True)]
+    layers = [LayerStats("rnn", "RNN", calls=6, dtypes=["float16"],
+                         param_grad_amax_by_step={i: v * 65536 for i, v in enumerate(norms)})]
+    t = Trace(run=RunInfo(target="float16", scaler=True), steps=steps, layers=layers)
+    diagnose(t, strict=True)
+    d = t.diagnosis
+    assert (d.rule, d.severity, d.module) == ("exploding-gradient", "error", "rnn")
+    assert any("skipped steps 4, 5 right after it" in e for e in d.evidence)
+    # the same spike with nothing paid for stays a warning
+    t2 = Trace(run=RunInfo(target="float16", scaler=True), steps=steps[:4], layers=layers)
+    diagnose(t2, strict=True)
+    assert t2.diagnosis is None and t2.warnings[0].rule == "exploding-gradient"
+
+
+def adam_trace(lr: float, amax: list[float], losses: list[float]) -> Trace:
+    layers = [LayerStats("head", "Linear", calls=len(amax), dtypes=["float16"],
+                         param_amax_by_step=dict(enumerate(amax)))]
+    steps = [StepRecord(index=i, loss=v, grad_norm=1.0) for i, v in enumerate(losses)]
+    return Trace(run=RunInfo(target="float16"), steps=steps, layers=layers,
+                 optimizers=[OptimizerInfo(type="AdamW", lr=lr)])
+
+
+def test_adam_weights_growing_by_lr_a_step_is_a_learning_rate_too_high():
+    # +1 a step at lr=1: linear growth (1.1, 2.1, 3.1, 4.1, 5.1), 4.6x over the window, which the
+    # geometric test (1.5x a step, sustained) misses; the loss rose 8x
+    t = adam_trace(1.0, [1.1, 2.1, 3.1, 4.1, 5.1], [4.0, 10.0, 16.0, 24.0, 32.0])
+    diagnose(t, strict=True)
+    d = t.diagnosis
+    assert (d.rule, d.kind, d.severity, d.module) == ("weight-growth", "lr_too_high", "error",
+                                                      "head")
+    assert d.data["increment"] == 1.0 and d.data["optimizer"] == "AdamW"
+    # the cut: 0.1% of the weights' median size (3.1) over the step (1.0) is 3.1e-3 -> 1e-3
+    assert d.data["lr_factor"] == 1e-3
+    # the same growth with a flat loss and nothing non-finite: a warning
+    t = adam_trace(1.0, [1.1, 2.1, 3.1, 4.1, 5.1], [4.0] * 5)
+    diagnose(t, strict=True)
+    assert t.diagnosis is None and t.warnings[0].rule == "weight-growth"
+
+
+def test_adam_at_a_normal_lr_is_quiet():
+    # weights that move by lr=1e-3 a step grow by a fraction of a percent
+    t = adam_trace(1e-3, [1.1 + 1e-3 * i for i in range(6)], [4.0 - 0.1 * i for i in range(6)])
+    diagnose(t, strict=True)
+    assert t.diagnosis is None
+    assert not [w for w in t.warnings if w.rule == "weight-growth"]
+
+
+def test_calibration_that_costs_most_of_the_run_is_a_problem():
+    # 11 of 16 steps skipped calibrating (65536 -> 32): 69% of the updates never happened
+    scales = [65536.0 / 2**i for i in range(11)] + [32.0] * 5
+    steps = [StepRecord(index=i, loss=8e3, scale=sc, skipped=i < 11,
+                        grad_norm=None if i < 11 else 100.0) for i, sc in enumerate(scales)]
+    t = Trace(run=RunInfo(target="float16", scaler=True), steps=steps)
+    diagnose(t, strict=True)
+    d = t.diagnosis
+    assert (d.rule, d.kind, d.phase) == ("skip-streak", "loss_scale", "loss_scaling")
+    assert "69% of the run's steps were skipped (11 while the scale calibrated)" in d.message
+    assert d.data["summed_loss"]  # the loss of 8e3 a step
+    # the same calibration in a 40-step run is 28%: a warning with the init_scale
+    steps += [StepRecord(index=i, loss=8e3, scale=32.0, grad_norm=100.0) for i in range(16, 40)]
+    t = Trace(run=RunInfo(target="float16", scaler=True), steps=steps)
+    diagnose(t, strict=True)
+    assert t.diagnosis is None and t.warnings[0].rule == "skip-streak"
 
 
 def test_a_failure_on_an_untraced_step_names_no_cause():

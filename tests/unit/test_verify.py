@@ -84,6 +84,17 @@ def test_a_script_that_ends_past_the_failure_counts():
     assert t.verified
 
 
+def test_a_finite_problem_verifies_when_the_whole_script_runs_again():
+    # nothing went non-finite (an Adam lr too high: a rising loss): a re-run that ends cleanly
+    # after as many steps as the original counts; one that ends sooner does not
+    original = _original()
+    original.first_failure = None
+    original.steps = [StepRecord(index=i, loss=4.0 * (i + 1)) for i in range(6)]
+    assert judge(original, _rerun([4.0] * 6, status="complete"), 11, exit_code=0).verified
+    short = judge(original, _rerun([4.0] * 5, status="complete"), 11, exit_code=0)
+    assert not short.verified and "stopped after 5 of 11" in short.reason
+
+
 def test_no_report_is_not_verified():
     t = judge(_original(), None, 9, exit_code=2, output_tail="nanhunt: --fix x: bad\n")
     assert not t.verified and "nanhunt: --fix x: bad" in t.reason
