@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Hold-out evaluation of nanhunt against the red-team scripts.
 
-    python run.py [NANHUNT_SRC] [--only GLOB] [--jobs N] [--timeout S] [--results FILE]
+    python run.py [NANHUNT_SRC] [--set DIR] [--only GLOB] [--jobs N] [--timeout S] [--results FILE]
 
-Runs `python -m nanhunt diagnose --quiet --out <tmp> scripts/<script>` for every script in
+--set DIR picks the hold-out set: DIR/expected.json and DIR/scripts/ (default: this folder, the
+first red-team set; benchmarks/redteam2 is the second). Runs
+`python -m nanhunt diagnose --quiet --out <tmp> scripts/<script>` for every script in
 expected.json with PYTHONPATH=NANHUNT_SRC (default: this checkout) and OMP_NUM_THREADS=1, reads
 <tmp>/report.json and compares it with expected.json:
 
@@ -17,8 +19,8 @@ expected.json with PYTHONPATH=NANHUNT_SRC (default: this checkout) and OMP_NUM_T
 Expected null = not checked; a list = any of these. A script PASSes when every checked field
 matches. For exit-0 scripts only the exit code counts. The recommendation types (`fix`) and the
 step are reported as secondary columns and do not affect PASS.
-Results go to results/<label>.json (label = basename of NANHUNT_SRC) unless --results is given;
-each script's report folder is kept under results/reports/<label>/<script>/.
+Results go to DIR/results/<label>.json (label = basename of NANHUNT_SRC) unless --results is
+given; each script's report folder is kept under DIR/results/reports/<label>/<script>/.
 """
 from __future__ import annotations
 
@@ -51,14 +53,14 @@ def match(expected, got, field):
     return False
 
 
-def run_one(script, exp, src, timeout, reports):
+def run_one(script, exp, src, timeout, reports, set_dir=HERE):
     out = os.path.join(reports, os.path.splitext(script)[0])
     if os.path.isdir(out):
         shutil.rmtree(out)
     os.makedirs(out)
     env = dict(os.environ, PYTHONPATH=src, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--verify", "0", "--out", out,
-           os.path.join(HERE, "scripts", script)]
+           os.path.join(set_dir, "scripts", script)]
     t0 = time.time()
     try:
         p = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=timeout)
@@ -115,17 +117,23 @@ def fmt(v):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("src", nargs="?", default=str(Path(__file__).resolve().parents[2]))
+    ap.add_argument("--set", dest="set_dir", default=HERE,
+                    help="hold-out set folder with expected.json and scripts/ (default: this one)")
     ap.add_argument("--only", default="*")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--results")
     a = ap.parse_args()
-    expected = json.load(open(os.path.join(HERE, "expected.json")))
+    set_dir = os.path.abspath(a.set_dir)
+    if not os.path.isfile(os.path.join(set_dir, "expected.json")):
+        sys.exit(f"run.py: no expected.json in {set_dir}")
+    expected = json.load(open(os.path.join(set_dir, "expected.json")))
     scripts = [s for s in expected if fnmatch.fnmatch(s, a.only)]
     label = os.path.basename(os.path.normpath(a.src))
-    reports = os.path.join(HERE, "results", "reports", label)
+    reports = os.path.join(set_dir, "results", "reports", label)
     with cf.ThreadPoolExecutor(a.jobs) as ex:
-        res = list(ex.map(lambda s: run_one(s, expected[s], a.src, a.timeout, reports), scripts))
+        res = list(ex.map(lambda s: run_one(s, expected[s], a.src, a.timeout, reports, set_dir),
+                          scripts))
     rows = []
     hdr = ("script", "exp exit/phase/kind/module", "got exit/phase/kind/module", "result", "fix", "step")
     for r in res:
@@ -156,7 +164,13 @@ def main():
     print(f"a recommendation of an expected type: {sum(fixes)}/{len(fixes)}")
     if fail_h:
         print("healthy scripts flagged:", ", ".join(fail_h))
-    path = a.results or os.path.join(HERE, "results", f"{label}.json")
+    classes = {}
+    for r in res:  # optional "class" field (the second set has one); the first set has none
+        if r["expected"].get("class"):
+            classes.setdefault(r["expected"]["class"], []).append(r["pass_"])
+    if classes:
+        print("per class: " + ", ".join(f"{c} {sum(v)}/{len(v)}" for c, v in classes.items()))
+    path = a.results or os.path.join(set_dir, "results", f"{label}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
         commit = subprocess.run(["git", "-C", a.src, "rev-parse", "--short", "HEAD"],
@@ -164,7 +178,7 @@ def main():
     except OSError:
         commit = ""
     print("nanhunt:", a.src, commit)
-    json.dump(dict(src=a.src, commit=commit, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    json.dump(dict(src=a.src, set=set_dir, commit=commit, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                    passed=n_pass, total=n, results=res), open(path, "w"), indent=1, default=str)
     print("results:", path)
 

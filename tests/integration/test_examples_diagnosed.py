@@ -20,7 +20,7 @@ EXPECTED = {
                          "torch.sqrt(", "clamp"),
     # the collapse is where the capture saw it (loss_scaling); the diagnosis is the op that
     # causes it, in backward
-    "scale_collapse.py": (0, "loss_scaling", "pdist", "grad_input[0]", "nan_op", "aten.div",
+    "scale_collapse.py": (0, "backward", "pdist", "grad_input[0]", "nan_op", "aten.div",
                           "torch.sqrt(", "clamp"),
     "nan_batch.py": (3, "data", "model", "input[0]", "bad_input", None, None, None),
     "high_lr.py": (2, "optimizer", "head", "head.weight", "lr_too_high", None, None, None),
