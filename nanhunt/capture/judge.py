@@ -130,10 +130,11 @@ class Judge:
         if origin is None or origin.phase != "backward":
             return False
         m = d.metas[origin.index]
-        if not m.module or m.call is None:
+        if not m.module:
             return False
         self.probes_left -= 1
-        self.probe_detail = self.probe(d, m.call)
+        # (a parameter's gradient row names its module, not the call: the probe finds it)
+        self.probe_detail = self.probe(d, m.call, m.module)
         return self.probe_detail is not None
 
     def root_output_bad(self, d: _StepData) -> bool:

@@ -61,6 +61,7 @@ class OptimizerObserver(Part):
         stack.enter_context(_O.register_optimizer_step_pre_hook(self._on_opt_pre))
         stack.enter_context(_O.register_optimizer_step_post_hook(self._on_opt_post))
         patch(stack, torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
+        patch(stack, torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
         clip = self._wrap_clip(torch.nn.utils.clip_grad_norm_)
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
             if getattr(owner, "clip_grad_norm_", None) is not None:
@@ -150,6 +151,28 @@ class OptimizerObserver(Part):
 
         __init__.__wrapped__ = original  # type: ignore[attr-defined]
         return __init__
+
+    def _wrap_zero_grad(self, original: Any) -> Any:
+        obs = self
+
+        def zero_grad(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            obs._guard(obs._before_zero_grad, optimizer)
+            return original(optimizer, *args, **kwargs)
+
+        zero_grad.__wrapped__ = original  # type: ignore[attr-defined]
+        return zero_grad
+
+    def _before_zero_grad(self, optimizer: Any) -> None:
+        """zero_grad() after scaler.unscale_(optimizer) and before scaler.step(optimizer): the
+        step that follows finds no gradient and applies nothing, every step."""
+        s = self.s
+        scaler = s._scaler_ref() if s._scaler_ref is not None else None
+        if not s._active or scaler is None or not scaler.is_enabled() \
+                or s._unscaled_step != s._step or s._in_scaler_step:
+            return
+        state = scaler._per_optimizer_states.get(id(optimizer))
+        if state is not None and getattr(state.get("stage"), "name", "") == "UNSCALED":
+            s._misuse("zero_grad_after_unscale")
 
     def _wrap_clip(self, original: Any) -> Any:
         obs = self

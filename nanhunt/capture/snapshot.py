@@ -66,7 +66,7 @@ class Snapshots(Part):
             return self.cur.calls[cid]
         return next((c for c in reversed(self.cur.calls) if c.name == module), None)
 
-    def probe_unscaled(self, d: _StepData, call_id: int) -> str | None:
+    def probe_unscaled(self, d: _StepData, call_id: int | None, module: str) -> str | None:
         """Whether the gradient a module call's backward made non-finite in a step GradScaler
         skipped stays non-finite without the loss scale: its call is replayed, on copies and
         with nanhunt's hooks off, backward from the gradients it received divided by the scale.
@@ -74,7 +74,12 @@ class Snapshots(Part):
         point, or gradients too large for the format unscaled); None when the unscaled replay
         is finite (GradScaler's overflow on purpose) or the call cannot be replayed."""
         scale = d.scale
-        call = self.cur.calls[call_id] if call_id < len(self.cur.calls) else None
+        if call_id is not None and call_id < len(self.cur.calls):
+            call: _Call | None = self.cur.calls[call_id]
+        else:  # its last call that received gradients
+            call = next((c for c in reversed(self.cur.calls) if c.name == module
+                         and any(self.cur.grads.get(i) is not None for i in c.output_rows)),
+                        None)
         if not scale or call is None or call.args is None \
                 or sum(p.numel() for p in call.module.parameters()) > _MAX_ANCESTOR_COPY:
             return None

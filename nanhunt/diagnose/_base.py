@@ -35,13 +35,13 @@ PRECEDENCE = (
     "optimizer-update",
     "scale-collapse",
     "norm-eps",
+    "input-range",  # a first layer on raw input: what it makes of it (inf, NaN) follows
     "loss-nan-op",
     "forward-nan-op",
     "backward-nan-op",
     "norm-underflow",
     "weight-growth",
     "exploding-gradient",
-    "input-range",
     "forward-overflow",
     "backward-overflow",
     "skip-streak",  # skips are often a symptom: an explosion or an op above explains them
@@ -56,7 +56,8 @@ ALWAYS_PRIMARY = ("scaler-crash", "range-constant", "scaler-misuse", "exploding-
 SUPERSEDES: dict[str, tuple[str, ...]] = {
     "scaler-misuse": ("optimizer-update", "optimizer-eps", "weight-growth", "backward-overflow"),
     "optimizer-eps": ("optimizer-update",),
-    "input-range": ("forward-overflow",),
+    "input-range": ("forward-overflow", "forward-nan-op"),
+    "range-constant": ("forward-nan-op", "forward-overflow"),
     "norm-eps": ("forward-nan-op", "backward-nan-op", "norm-underflow"),
 }
 

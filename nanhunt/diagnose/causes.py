@@ -242,10 +242,13 @@ def dtype_expr(line: str, constant: RangeConstant) -> str | None:
 
 @rule(id="range-constant", kind="overflow")
 def range_constant(trace: Trace, ctx: Context) -> Iterator[Finding]:
-    """The script crashed filling a low-precision tensor with a constant beyond its range."""
+    """The script crashed filling a low-precision tensor with a constant beyond its range, or
+    the replay's first non-finite value is such a constant, converted silently to inf."""
     crash = trace.crash
     m = _RANGE_ERROR.search(crash.message) if crash is not None else None
     if crash is None or m is None:
+        if crash is None:
+            yield from _replayed_constant(ctx)
         return
     name = _C10_TYPES.get(m.group(1), m.group(1))
     try:
@@ -285,6 +288,48 @@ def range_constant(trace: Trace, ctx: Context) -> Iterator[Finding]:
         module=crash.module,
         data={"constant": data_constant, "text": constants[0].text if constants else None,
               "dtype": fmt.name, "source": crash.source, "source_line": crash.source_line},
+    )
+
+
+#: ops that write a Python number into a tensor (torch.where's scalar operand, a fill, a full)
+_FILLS = frozenset({"scalar_tensor", "full", "full_like", "new_full", "fill", "fill_",
+                    "masked_fill", "masked_fill_", "where", "clamp", "clamp_min", "clamp_max"})
+
+
+def _replayed_constant(ctx: Context) -> Iterator[Finding]:
+    """``torch.where(mask, x, -1e5)`` or ``torch.full(..., 1e5)`` on a float16 tensor does not
+    raise: the number becomes +-inf without a word. The replay's first non-finite op wrote it."""
+    f = ctx.failure
+    if f is None or f.phase != "forward":
+        return
+    op = next((o for o in ctx.trace.ops if o.first_nonfinite), None)
+    if op is None or _op_name(op.op) not in _FILLS:
+        return
+    fmt = ctx.format_of(op.dtype)
+    big = [v for v in op.scalars if math.isfinite(v) and abs(v) > fmt.max]
+    if not big:
+        return
+    source, _, line = (op.source or "").partition("  ")
+    constants = find_constants(line, fmt) or [RangeConstant(big[0], f"{big[0]:g}")]
+    c = constants[0]
+    at = f" ({line.strip()} at {_short_source(source)})" if line else ""
+    where = f" in {f.module}" if f.module else ""
+    yield _finding(
+        "error",
+        f"the constant {c.text}{at}{where} does not fit {fmt.name} (max {fmt.max:g}): torch "
+        f"turned it into {'-' if c.value < 0 else '+'}inf without an error (aten.{_op_name(op.op)}"
+        "), and what follows of it is non-finite; use torch.finfo(dtype).min / .max, which fit "
+        "every format",
+        [f"the replay of {f.module or 'the top level'} names aten.{_op_name(op.op)} called with "
+         f"{c.value:g} as the first op whose output is non-finite: "
+         f"{_short_source(source) if source else ''} {line.strip()}".rstrip(),
+         f"{fmt.name} holds magnitudes up to {fmt.max:g} (torch.finfo(torch.{fmt.name}).max); "
+         f"{abs(c.value):g} is {math.log2(abs(c.value) / fmt.max):.1f} binades beyond it"],
+        phase="forward",
+        step=f.step,
+        module=f.module or None,
+        data={"constant": c.value, "text": c.text, "dtype": fmt.name, "source": source or None,
+              "source_line": line.strip() or None},
     )
 
 
@@ -411,7 +456,11 @@ def input_range(trace: Trace, ctx: Context) -> Iterator[Finding]:
         return
     c = _forward_class(ctx)
     big = _largest_input(f)
-    if c.name != "overflow" or big is None or big.amax < ctx.th.raw_input:
+    if big is None or big.amax < ctx.th.raw_input:
+        return
+    # an input beyond the format's max becomes inf in the cast, whatever the op does with it
+    # next (inf - inf in a conv is NaN: not an invalid op of the model's)
+    if c.name != "overflow" and not big.amax > c.fmt.max:
         return
     if "weights" in c.data.get("large", ()):
         return  # its weights are large too: the weights' growth is the cause to look at

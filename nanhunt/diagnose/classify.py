@@ -3,12 +3,13 @@ and optimizer failures decides which explanation holds; each rule reports the cl
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from ..formats import NumberFormat
+from ..formats import FORMATS, NumberFormat
 from ..trace import Failure, Trace
 from ._base import (
     _NAN_OPS,
@@ -237,6 +238,10 @@ def _classify_backward(ctx: Context) -> _Class:
     th = ctx.th
     s = f.stats
     fmt = ctx.format_of(s.dtype)
+    first = next((o for o in ctx.trace.ops if o.first_nonfinite), None)
+    if first is not None and first.dtype in FORMATS and first.dtype != s.dtype:
+        # a float32 .grad that holds the inf a float16 matmul made: the limit is float16's
+        fmt = ctx.format_of(first.dtype)
     scale = ctx.scale_at(f.step)
     layer = ctx.layer(f.module)
     op = failure_op(ctx.trace)
@@ -287,6 +292,14 @@ def _classify_backward(ctx: Context) -> _Class:
     if op:
         evidence.append(f"the replay names aten.{op} as the op that made it")
     data["large"] = large
+    depth = _depth_growth(ctx)
+    if depth is not None:
+        data["depth"] = depth
+        evidence.append(
+            f"at step {f.step} the gradient grew layer by layer on its way back: "
+            f"{_n(depth['from_amax'])} at {depth['from']} (nearest the loss) to "
+            f"{_n(depth['to_amax'])} at {depth['to']}, {depth['factor']:.3g}x over "
+            f"{depth['layers']} layers, about {depth['per_layer']:.3g}x a layer")
     if op in _OVERFLOW_OPS:
         name = "overflow"
     elif op in _NAN_OPS:
@@ -294,6 +307,41 @@ def _classify_backward(ctx: Context) -> _Class:
     else:
         name = "overflow" if large else "nan_op"
     return _Class(name, fmt, evidence, data)
+
+
+#: Growth of the gradient through the model's depth, in one backward, that is an explosion.
+DEPTH_GROWTH = 1000.0
+
+
+def _depth_growth(ctx: Context) -> dict[str, Any] | None:
+    """Exploding gradients through depth: in the failing step's backward, the gradient reaching
+    each weighted module grew steadily from the last one (nearest the loss) to the culprit, by
+    three orders of magnitude or more (a deep stack without residual paths or with a gain
+    above 1 per layer)."""
+    f = ctx.failure
+    assert f is not None
+    idx = ctx.order.get(f.module)
+    if idx is None:
+        return None
+    layers = ctx.trace.layers
+    kind = layers[idx].type
+    chain = []
+    # modules of the culprit's type (a norm between them rescales the gradient: comparing
+    # like with like keeps the series monotone)
+    for layer in layers[idx + 1:]:  # the culprit's own gradient is the non-finite one
+        v = layer.backward_amax_by_step.get(f.step)
+        if layer.type == kind and _finite_pos(v):
+            chain.append((layer.module, v))
+    pts = chain
+    if len(pts) < 8:
+        return None
+    pts.reverse()  # backward order: from the loss towards the culprit
+    rises = sum(b[1] > a[1] for a, b in itertools.pairwise(pts))
+    factor = pts[-1][1] / pts[0][1]
+    if factor < DEPTH_GROWTH or rises * 3 < 2 * (len(pts) - 1):
+        return None
+    return {"factor": factor, "layers": len(pts), "per_layer": factor ** (1 / (len(pts) - 1)),
+            "from": pts[0][0], "from_amax": pts[0][1], "to": pts[-1][0], "to_amax": pts[-1][1]}
 
 
 def _optimizer_class(ctx: Context) -> _Class:

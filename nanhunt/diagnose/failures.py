@@ -4,6 +4,7 @@ loss-scale collapse."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from ..trace import Finding, StepRecord, Trace
 from ._base import (
@@ -166,7 +167,37 @@ def _backward_error(ctx: Context, wanted: str, message: str) -> Iterator[Finding
 
 @rule(id="backward-overflow", kind="overflow", needs=("first_failure",))
 def backward_overflow(trace: Trace, ctx: Context) -> Iterator[Finding]:
-    """A gradient exceeded its format's max in backward, after approaching it in earlier steps."""
+    """A gradient exceeded its format's max in backward, after approaching it in earlier steps
+    (when it grew layer by layer through the model's depth to get there, that is an explosion:
+    the finding is exploding-gradient's)."""
+    f = ctx.failure
+    c = _backward_class(ctx) if f is not None and f.phase == "backward" else None
+    if c is not None and c.name == "overflow" and "depth" in c.data:
+        depth = c.data["depth"]
+        yield _finding(
+            "error",
+            f"exploding gradients through depth: at step {f.step} the gradient grew about "
+            f"{depth['per_layer']:.3g}x a layer over {depth['layers']} layers on its way back "
+            f"from the loss ({depth['factor']:.3g}x in all) and overflowed {c.fmt.name} in "
+            f"{f.module}'s backward",
+            list(c.evidence),
+            kind="exploding_gradient",
+            rule="exploding-gradient",
+            phase="backward",
+            step=f.step,
+            module=f.module or None,
+            tensor=f.tensor,
+            data={**c.data, "depth_growth": depth["factor"], "from_step": f.step},
+        )
+        return
+    rec = ctx.steps.get(f.step) if f is not None else None
+    if c is not None and c.name == "overflow" and f.detail and rec is not None and rec.skipped \
+            and any(not st.skipped for st in ctx.trace.steps if st.index < f.step):
+        # the judge's unscaled replay overflowed too, after applied updates: they grew the
+        # gradients past the format
+        yield _grown_past_the_format(ctx, c.evidence, f"GradScaler skipped step {f.step}",
+                                     {"skipped": 1})
+        return
     yield from _backward_error(
         ctx,
         "overflow",
@@ -252,6 +283,12 @@ _MISUSE = {
         "clip_grad_norm_ ran on gradients still multiplied by the loss scale, so max_norm was "
         "in effect divided by the scale and every step was clipped to a tiny update",
         "call scaler.unscale_(optimizer) before torch.nn.utils.clip_grad_norm_",
+    ),
+    "zero_grad_after_unscale": (
+        "optimizer.zero_grad() runs between scaler.unscale_(optimizer) and "
+        "scaler.step(optimizer), so the step finds no gradient and applies no update",
+        "call optimizer.zero_grad() at the start of the iteration (or after scaler.update()), "
+        "never between unscale_ and step",
     ),
     "unscaled_loss": (
         "scaler.step()/update() ran after a backward of a loss that scaler.scale() never "
@@ -355,6 +392,44 @@ def _collapse_cause(ctx: Context) -> str:
     return "overflow" if applied and (s.posinf or s.neginf) else "nan_op"
 
 
+def _grown_past_the_format(ctx: Context, evidence: list[str], what: str,
+                           data: dict[str, Any]) -> Finding:
+    """Gradients that overflow the format at every loss scale after updates were applied:
+    exploding gradients, named by the module whose own gradients grew most (``what`` says what
+    GradScaler did about it)."""
+    from .growth import _grad_site  # registered after this module's rules
+
+    f = ctx.failure
+    assert f is not None
+    site = _grad_site(ctx) or (f.module, [])
+    applied = [st for st in ctx.clean_steps() if _finite_pos(st.grad_norm)]
+    evidence = list(evidence)
+    if applied:
+        evidence.append(
+            "gradient norm of the applied steps before it "
+            f"({_span([(st.index, 0.0) for st in applied[-6:]])}): "
+            f"{_series([(st.index, st.grad_norm) for st in applied])}"
+        )
+    if site[1]:
+        evidence.append(f"{site[0]}'s largest unscaled parameter gradient by step "
+                        f"({_span(site[1])}): {_series(site[1])}")
+    return _finding(
+        "error",
+        f"exploding gradients in {site[0] or 'the model'}: after the applied updates the "
+        f"gradients overflow {ctx.fmt.name} at every loss scale, so {what} (the skips are the "
+        "symptom; clip the gradient norm)",
+        evidence,
+        kind="exploding_gradient",
+        phase="backward",
+        step=f.step,
+        module=site[0] or None,
+        tensor=f.tensor,
+        rule="exploding-gradient",
+        data={**data, "overflow": True, "spike": True,
+              "from_step": applied[0].index if applied else f.step},
+    )
+
+
 def _short_source(source: str) -> str:
     path, _, line = source.rpartition(":")
     name = path.replace("\\", "/").rsplit("/", 1)[-1]
@@ -410,38 +485,9 @@ def scale_collapse(trace: Trace, ctx: Context) -> Iterator[Finding]:
     if s.nan and not (s.posinf or s.neginf):
         cause, overflow = "NaN made in backward (0 * inf, the derivative of sqrt at 0)", False
     if not overflow and _collapse_cause(ctx) == "overflow":
-        # the gradients grew past the format after updates were applied: exploding gradients,
-        # named by the module whose own gradients are largest / grew most
-        from .growth import _grad_site  # registered after this module's rules
-
-        site = _grad_site(ctx) or (f.module, [])
-        applied = [st for st in ctx.clean_steps() if _finite_pos(st.grad_norm)]
-        if applied:
-            evidence.append(
-                "gradient norm of the applied steps before it "
-                f"({_span([(st.index, 0.0) for st in applied[-6:]])}): "
-                f"{_series([(st.index, st.grad_norm) for st in applied])}"
-            )
-        if site[1]:
-            evidence.append(f"{site[0]}'s largest unscaled parameter gradient by step "
-                            f"({_span(site[1])}): {_series(site[1])}")
-        yield _finding(
-            "error",
-            f"exploding gradients in {site[0] or 'the model'}: after the applied updates the "
-            f"gradients overflow {ctx.fmt.name} at every loss scale, so GradScaler skipped {n} "
-            "steps in a row and the scale collapsed (the collapse is the symptom; clip the "
-            "gradient norm)",
-            evidence,
-            kind="exploding_gradient",
-            phase="backward",
-            step=f.step,
-            module=site[0] or None,
-            tensor=f.tensor,
-            rule="exploding-gradient",
-            data={"skipped": n, "scale_from": first, "scale_to": last, "overflow": True,
-                  "collapse": True, "spike": True,
-                  "from_step": applied[0].index if applied else f.step},
-        )
+        yield _grown_past_the_format(
+            ctx, evidence, f"GradScaler skipped {n} steps in a row and the scale collapsed",
+            {"skipped": n, "scale_from": first, "scale_to": last, "collapse": True})
         return
     yield _finding(
         "error",

@@ -71,6 +71,8 @@ class _AdaptiveGrowth:
     optimizer: str
     lr: float
     factor: float  # the lr cut that brings the change per step to ADAPTIVE_UPDATE
+    grown: int = 0  # layers whose weights grew so
+    weighted: int = 0  # layers whose weights were recorded over enough steps
 
 
 def _adaptive_growth(ctx: Context) -> _AdaptiveGrowth | None:
@@ -83,22 +85,31 @@ def _adaptive_growth(ctx: Context) -> _AdaptiveGrowth | None:
     opt = max(opts, key=lambda o: o.lr or 0.0)
     lr = float(opt.lr or 0.0)
     best = None
+    weighted = grown = 0
     for layer in ctx.trace.layers:
-        points = ctx.pre_points(layer.param_amax_by_step)[-ctx.th.window:]
+        # the whole series for the growth (linear growth slows in ratio as the weights grow),
+        # the last window for the step size
+        points = ctx.pre_points(layer.param_amax_by_step)
         vals = [v for _, v in points]
-        if len(vals) < 4 or vals[-1] < 2 * vals[0] or vals[-1] < ctx.th.weight_floor:
+        if len(vals) < 4:
             continue
-        incs = [b - a for a, b in itertools.pairwise(vals)]
+        weighted += 1
+        if vals[-1] < 2 * vals[0] or vals[-1] < ctx.th.weight_floor:
+            continue
+        incs = [b - a for a, b in itertools.pairwise(vals[-ctx.th.window:])]
         if sum(i > 0 for i in incs) * 4 < 3 * len(incs):
             continue
         inc = statistics.median(incs)
         if inc < 0.25 * lr:
             continue
+        grown += 1
         if best is None or vals[-1] / vals[0] > best.points[-1][1] / best.points[0][1]:
             size = statistics.median(vals)
             f = ADAPTIVE_UPDATE * size / inc
             factor = max(1e-4, min(0.1, 10.0 ** math.floor(math.log10(f))))
             best = _AdaptiveGrowth(layer, points, inc, opt.type, lr, factor)
+    if best is not None:
+        best.grown, best.weighted = grown, weighted
     return best
 
 
@@ -116,22 +127,30 @@ def _adaptive_finding(ctx: Context, a: _AdaptiveGrowth) -> Finding:
     if norms:
         evidence.append(f"gradient norm by step ({_span(norms[-6:])}): {_series(norms)}")
     then = f" before the failure at step {f.step}" if f is not None else ""
-    # no value went non-finite, but the run pays already: its loss rose many times over
+    # no value went non-finite, but the run pays already: its loss stayed many times its first
+    # value for three steps or more
     losses = [(st.index, st.loss) for st in sorted(ctx.trace.steps, key=lambda st: st.index)
               if st.loss is not None and math.isfinite(st.loss) and st.loss > 0
               and ctx.before_failure(st.index)]
-    rose = len(losses) >= 4 and losses[-1][1] >= ctx.th.loss_spike * losses[0][1]
-    if rose:
+    high = [w for w in zip(losses, losses[1:], losses[2:])
+            if losses and min(v for _, v in w) >= ctx.th.loss_spike * losses[0][1]]
+    if high:
+        peak = max((p for w in high for p in w), key=lambda p: p[1])
         evidence.append(f"the loss rose from {_n(losses[0][1])} (step {losses[0][0]}) to "
-                        f"{_n(losses[-1][1])} (step {losses[-1][0]})")
+                        f"{_n(peak[1])} (step {peak[0]}) and stayed above "
+                        f"{ctx.th.loss_spike:g}x its first value for three steps or more")
+    # Adam moves every weight by lr: when most layers grew, the lr is no one layer's problem
+    everywhere = a.grown >= 3 or (a.weighted >= 2 and a.grown * 2 >= a.weighted)
+    who = (f"the weights of {a.grown} of {a.weighted} layers (most: {a.layer.module}, "
+           if everywhere else f"{a.layer.module}'s weights (")
     return _finding(
-        "error" if f is not None or rose else "warning",
-        f"{a.layer.module}'s weights grew by about lr={a.lr:g} at every step "
-        f"({_n(pts[0][1])} -> {_n(pts[-1][1])} over {_span(pts)}){then}: the learning rate is "
-        f"too high for {a.optimizer}",
+        "error" if f is not None or high else "warning",
+        f"{who}{_n(pts[0][1])} -> {_n(pts[-1][1])} over {_span(pts)}) grew by about "
+        f"lr={a.lr:g} at every step{then}: the learning rate is too high for {a.optimizer}",
         evidence,
+        phase="optimizer",
         step=pts[-1][0],
-        module=a.layer.module,
+        module=None if everywhere else a.layer.module,
         score=6.0,
         data={"growth_per_step": (pts[-1][1] / pts[0][1]) ** (1 / max(1, len(pts) - 1)),
               "from": pts[0][1], "to": pts[-1][1], "lr_factor": a.factor,

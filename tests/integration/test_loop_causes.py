@@ -36,6 +36,8 @@ RUNS = {
     "leftover_mlp": ["scaler_step_outside_mlp.py", "--leftover", "--steps", "3"],
     "leftover_cnn": ["scaler_step_outside_cnn.py", "--leftover", "--steps", "3"],
     "clip_gru": ["scaler_clip_before_unscale_gru.py", "--steps", "2"],
+    "zero_grad_mlp": ["scaler_zero_grad_after_unscale.py", "--arch", "mlp", "--steps", "4"],
+    "zero_grad_cnn": ["scaler_zero_grad_after_unscale.py", "--arch", "cnn", "--steps", "4"],
     "clip_mlp": ["scaler_clip_before_unscale_mlp.py", "--steps", "2"],
     "adam_transformer": ["adam_eps_half_transformer.py"],
     "adamw_cnn": ["adam_eps_half_cnn.py"],
@@ -56,6 +58,7 @@ RUNS = {
     "ok_rmsnorm": ["rmsnorm_eps_half_transformer.py", "--fixed", "eps", "--steps", "3"],
     "ok_pixels": ["raw_pixels_cnn.py", "--normalize", "--steps", "3"],
     "ok_pixels_8bit": ["healthy_raw_pixels_8bit.py", "--steps", "4"],
+    "ok_zero_grad": ["scaler_zero_grad_after_unscale.py", "--fixed", "--steps", "4"],
     "ok_logtarget": ["log_target_zero.py", "--arch", "conv1d", "--fixed", "--steps", "5"],
 }
 
@@ -220,6 +223,26 @@ def test_optimizer_step_left_after_scaler_update(runs, plain, key, script):
     # one step per iteration: the extra call is not a step of its own
     assert [s["index"] for s in r.report["steps"]] == list(range(len(r.report["steps"])))
     assert len(r.report["steps"]) <= 3
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+def test_zero_grad_between_unscale_and_step(runs, plain, arch):
+    # reference: the losses equal those of the same script with lr=0, step for step: no update
+    # was ever applied, and nothing went non-finite
+    assert plain[f"zero_grad_{arch}"] == plain[f"zero_grad_{arch}_lr0"]
+    r = runs[f"zero_grad_{arch}"]
+    assert r.code == 1
+    d = r.diagnosis
+    assert (d["rule"], d["kind"], d["phase"], d["data"]["misuse"]) == (
+        "scaler-misuse", "loss_scale", "loss_scaling", "zero_grad_after_unscale")
+    script = "scaler_zero_grad_after_unscale.py"
+    # the zero_grad() under "if not args.fixed:" (the bug's branch)
+    lines = (SCRIPTS / script).read_text().splitlines()
+    line = next(i for i in range(1, len(lines)) if lines[i - 1].strip() == "if not args.fixed:"
+                and lines[i].strip() == "optimizer.zero_grad()") + 1
+    assert d["data"]["source"].endswith(f"{script}:{line}")
+    assert r.report["first_failure"] is None
+    assert r.rec("scaler_usage")
 
 
 @pytest.mark.parametrize(("key", "script", "call"), [

@@ -716,3 +716,42 @@ def test_a_loop_without_any_optimizer_still_has_steps():
                     p -= 1e-3 * p.grad
                     p.grad = None
     assert len(hunt.steps) == 3
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+@pytest.mark.parametrize("where", ["between", "start"])
+def test_zero_grad_between_unscale_and_step_is_loop_misuse(arch, where):
+    torch.manual_seed(0)
+    if arch == "mlp":
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        def batch():
+            return torch.randn(4, 8)
+    else:
+        model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(1))
+        def batch():
+            return torch.randn(4, 1, 6, 6)
+    model(batch())  # (materialise the lazy layer)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with nanhunt.watch(model, opt, scaler) as hunt:
+        for _ in range(3):
+            if where == "start":
+                opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(batch()).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            if where == "between":
+                opt.zero_grad()
+            scaler.step(opt)
+            scaler.update()
+    moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    codes = [c.code for c in hunt.trace().loop_calls]
+    if where == "between":
+        assert not moved  # the reference: no update was ever applied
+        assert codes == ["zero_grad_after_unscale"]
+        call = hunt.trace().loop_calls[0]
+        assert call.source_line == "opt.zero_grad()" and call.steps == 3
+    else:
+        assert moved and codes == []

@@ -209,3 +209,54 @@ def test_optimizer_eps_from_the_optimizer_and_lr_only_with_growth():
     t = trace({0: 1.0, 1: 4.0, 2: 16.0, 3: 64.0}, 1e-4)
     diagnose(t)
     assert t.diagnosis.kind == "lr_too_high"
+
+
+def test_an_input_beyond_the_format_is_raw_input_whatever_the_op_makes():
+    # 65535 > float16's max: the cast makes inf and the conv turns inf - inf into NaN, which
+    # alone would read as an invalid op of the model's
+    t = _input_trace(65535.0)
+    t.first_failure.stats = _stats(nan=40, posinf=2, amax=6.5e4)
+    t.first_failure.op = "aten._to_copy"
+    diagnose(t)
+    d = t.diagnosis
+    assert (d.rule, d.kind, d.phase) == ("input-range", "bad_input", "data")
+    assert any("exceeds float16's max" in e for e in d.evidence)
+    assert "forward-nan-op" not in [w.rule for w in t.warnings]  # explained by the input
+
+
+def _constant_trace(value: float, op: str = "aten.scalar_tensor.default") -> Trace:
+    line = f"e = torch.where(adj > 0, e, {value:g})"
+    return Trace(
+        run=RunInfo(dtypes=["float16"], autocast=True),
+        layers=[LayerStats("gat1", "GATLayer", params=64, forward_amax_by_step={0: 2.0})],
+        steps=[StepRecord(0)],
+        first_failure=Failure(0, "forward", "gat1", "output", _stats(nan=32, amax=2.0)),
+        ops=[OpRecord(0, "aten.mm.default", "forward", "float16", 2.5, 0, 64),
+             OpRecord(1, op, "forward", "float16", 0.0, 1 if abs(value) > 65504 else 0, 1,
+                      source=f"g.py:28  {line}", first_nonfinite=abs(value) > 65504,
+                      scalars=[value])],
+    )
+
+
+def test_a_constant_torch_turns_into_inf_without_an_error():
+    t = _constant_trace(-1e5)
+    diagnose(t)
+    advise(t)
+    d = t.diagnosis
+    assert (d.rule, d.kind, d.phase, d.module) == ("range-constant", "overflow", "forward",
+                                                   "gat1")
+    assert d.data["constant"] == -1e5 and d.data["source"] == "g.py:28"
+    # 1e5 / 65504 is 2**0.61: the binades beyond float16's max, by hand
+    assert "0.6 binades beyond it" in " ".join(d.evidence)
+    rec = t.recommendations[0]
+    assert rec.type == "finfo_constant" and "torch.finfo(" in rec.snippet
+    assert "forward-nan-op" not in [w.rule for w in t.warnings]
+    # a constant float16 holds is not the cause (the op that then went non-finite is)
+    t = _constant_trace(-1e4)
+    t.ops[1].first_nonfinite = False
+    diagnose(t)
+    assert t.diagnosis is None or t.diagnosis.rule != "range-constant"
+    # nor is a big number handed to an op that does not write it (a matmul's alpha)
+    t = _constant_trace(-1e5, op="aten.addmm.default")
+    diagnose(t)
+    assert t.diagnosis.rule != "range-constant"

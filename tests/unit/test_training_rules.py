@@ -13,6 +13,7 @@ from nanhunt.trace import (
     CastCounts,
     Failure,
     LayerStats,
+    OpRecord,
     OptimizerInfo,
     RunInfo,
     StepRecord,
@@ -141,8 +142,9 @@ def adam_trace(lr: float, amax: list[float], losses: list[float]) -> Trace:
 
 def test_adam_weights_growing_by_lr_a_step_is_a_learning_rate_too_high():
     # +1 a step at lr=1: linear growth (1.1, 2.1, 3.1, 4.1, 5.1), 4.6x over the window, which the
-    # geometric test (1.5x a step, sustained) misses; the loss rose 8x
-    t = adam_trace(1.0, [1.1, 2.1, 3.1, 4.1, 5.1], [4.0, 10.0, 16.0, 24.0, 32.0])
+    # geometric test (1.5x a step, sustained) misses; the loss stayed above 5x its first value
+    # (20) for the last four steps
+    t = adam_trace(1.0, [1.1, 2.1, 3.1, 4.1, 5.1], [4.0, 30.0, 40.0, 24.0, 32.0])
     diagnose(t, strict=True)
     d = t.diagnosis
     assert (d.rule, d.kind, d.severity, d.module) == ("weight-growth", "lr_too_high", "error",
@@ -150,10 +152,27 @@ def test_adam_weights_growing_by_lr_a_step_is_a_learning_rate_too_high():
     assert d.data["increment"] == 1.0 and d.data["optimizer"] == "AdamW"
     # the cut: 0.1% of the weights' median size (3.1) over the step (1.0) is 3.1e-3 -> 1e-3
     assert d.data["lr_factor"] == 1e-3
+    assert d.phase == "optimizer"
+    # a loss that jumped once and came back is not a loss that stayed high
+    t = adam_trace(1.0, [1.1, 2.1, 3.1, 4.1, 5.1], [4.0, 30.0, 4.0, 30.0, 4.0])
+    diagnose(t, strict=True)
+    assert t.diagnosis is None
     # the same growth with a flat loss and nothing non-finite: a warning
     t = adam_trace(1.0, [1.1, 2.1, 3.1, 4.1, 5.1], [4.0] * 5)
     diagnose(t, strict=True)
     assert t.diagnosis is None and t.warnings[0].rule == "weight-growth"
+
+
+def test_adam_growth_in_most_layers_names_no_one_layer():
+    t = adam_trace(1.0, [1.1, 2.1, 3.1, 4.1, 5.1], [4.0, 30.0, 40.0, 24.0, 32.0])
+    t.layers += [LayerStats(n, "Linear", calls=5, dtypes=["float16"],
+                            param_amax_by_step=dict(enumerate(v)))
+                 for n, v in [("body", [0.5, 1.4, 2.3, 3.2, 4.0]), ("emb", [3.0] * 5)]]
+    diagnose(t, strict=True)
+    d = t.diagnosis
+    # head and body grew by about lr, emb did not: 2 of 3 layers, the lr is everyone's
+    assert (d.rule, d.module) == ("weight-growth", None)
+    assert d.message.startswith("the weights of 2 of 3 layers (most: body")
 
 
 def test_adam_at_a_normal_lr_is_quiet():
@@ -202,3 +221,43 @@ def test_nan_is_not_over_the_max_and_zeros_are_counted_apart():
     loss = TensorStats("float32", [], 1, posinf=1)
     assert "no finite value" in values_summary(loss, FP16)
     assert shape_text(loss) == "scalar"
+
+
+def _deep_trace(per_layer: float) -> Trace:
+    # 20 Linear layers, each followed by a norm; the backward of layer "4" overflows at step 0.
+    # The gradient reaching layer i (backward order from 19 down) is 1e-3 * per_layer**(19 - i)
+    layers = []
+    for i in range(20):
+        amax = 1e-3 * per_layer ** (19 - i)
+        layers.append(LayerStats(str(2 * i), "Linear", calls=1, params=64, dtypes=["float16"],
+                                 backward_amax_by_step={0: amax}))
+        # a norm rescales the gradient: its values do not follow the Linear series
+        layers.append(LayerStats(str(2 * i + 1), "BatchNorm1d", calls=1, params=8,
+                                 dtypes=["float16"], backward_amax_by_step={0: 0.01}))
+    f = Failure(0, "backward", "8", "8.weight.grad", _ts_inf(), op="aten.mm")
+    return Trace(run=RunInfo(target="float16", autocast=True), layers=layers,
+                 steps=[StepRecord(0, loss=2.3)], first_failure=f,
+                 ops=[OpRecord(0, "aten.mm.default", "backward", "float16", 6e4, 2, 64,
+                               first_nonfinite=True)])
+
+
+def _ts_inf() -> TensorStats:
+    return TensorStats(dtype="float32", shape=[64], numel=64, posinf=1, neginf=1, amax=6e4)
+
+
+def test_gradients_growing_layer_by_layer_to_an_overflow_are_an_explosion():
+    t = _deep_trace(2.0)
+    diagnose(t, strict=True)
+    d = t.diagnosis
+    assert (d.rule, d.kind, d.phase, d.module) == ("exploding-gradient", "exploding_gradient",
+                                                   "backward", "8")
+    # the Linear layers after the culprit ("10".."38") carry 1e-3 * 2**k for k = 14..0: the
+    # gradient grew 2**14 on its way back, 2x a layer
+    assert d.data["depth"]["layers"] == 15
+    assert abs(d.data["depth_growth"] - 2.0**14) < 1e-9 * 2.0**14
+    # judged against float16, where the matmul made the inf, not the float32 .grad
+    assert "overflowed float16" in d.message
+    # gradients that do not grow on the way back: the overflow is the layer's own
+    t = _deep_trace(1.0)
+    diagnose(t, strict=True)
+    assert t.diagnosis.rule == "backward-overflow"
