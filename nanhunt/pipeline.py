@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,14 +89,16 @@ def _promote_severe_underflow(trace: Trace) -> None:
 
 def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool = False,
                        ctx: Any = None, show_all: bool = False, quiet: bool = False,
-                       rerun: Any = None, ctrl_c: Any = None) -> Trace:
+                       rerun: Any = None, ctrl_c: Any = None,
+                       amend: Callable[[Trace], Any] | None = None) -> Trace:
     """Build the trace from a finished session, analyse it, verify its recommendations by
     re-running the script (``rerun``: a :class:`nanhunt.verify.RerunConfig`) and write every
     report form.
 
     ``ctrl_c`` (the CLI's SIGINT handler: ``pressed``, ``raising``) lets a Ctrl-C cut the
     analysis or the verification short; the report is written and KeyboardInterrupt raised
-    after it."""
+    after it. ``amend(trace)`` adds to the analysed trace before the reports are written (a
+    callback's precision audit; rank 0's only, after the ranks are merged)."""
     from .report import render_terminal, write_reports
 
     try:
@@ -132,6 +135,8 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
         trace = _guard(trace, "merging ranks", ctx.merge, trace, out_dir) or trace
         if ctx.rank != 0:
             return trace
+    if amend is not None:
+        _guard(trace, "adding the precision audit", amend, trace)
     if rerun is not None and not (ctrl_c is not None and ctrl_c.pressed):
         from .verify import verify_by_rerun
 

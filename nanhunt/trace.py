@@ -412,6 +412,14 @@ class PrecisionLayer:
     sqnr_db_end_to_end: float | None = None
     # gradient w.r.t. its output, target backward against float32 backward (same batch)
     grad_sqnr_db: float | None = None
+    # its floating inputs, the same way: the drift that reached it
+    sqnr_db_end_to_end_in: float | None = None
+    # sqnr_db_end_to_end_in - sqnr_db_end_to_end: how many dB the end-to-end SQNR drops
+    # across the layer (positive: the drift grows there; inf: it starts there)
+    drift_jump_db: float | None = None
+    # the drift the layer adds, as an SQNR: -10 log10(relative noise out - relative noise in),
+    # inf when it adds none (comparable with sqnr_db; see docs/rules.md)
+    drift_added_db: float | None = None
     rank: int | None = None  # 1 = loses the most; null for a container a child explains
     calls: int = 0
     order: int = 0  # execution order of its first call

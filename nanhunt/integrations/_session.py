@@ -9,10 +9,12 @@ any framework import.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime as _dt
 import logging
 import platform
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,12 @@ class CallbackSession:
     ``tensorboard``   ``True`` (the run's TensorBoard folder + ``/nanhunt``) or a folder: write
                       the per-step series there when training ends
     ``quiet``         no terminal summary (the headline still goes to the ``nanhunt`` logger)
+    ``audit``         the precision audit (``nanhunt audit``) on the batches the framework trains
+                      on: ``True`` (the run's own low-precision format, float16 for an fp32
+                      run), a format or a comma-separated list / list of formats; the report
+                      gains its ``precision`` section and any checked fp32 advice
+    ``audit_steps``   training steps the audit measures (default 3), after ``audit_warmup``
+                      plain training steps (default 1)
     """
 
     def __init__(
@@ -72,6 +80,9 @@ class CallbackSession:
         tensorboard: bool | str | Path = False,
         quiet: bool = False,
         strict: bool = False,
+        audit: bool | str | list[str] | None = None,
+        audit_steps: int = 3,
+        audit_warmup: int = 1,
     ) -> None:
         if mode not in MODES:
             raise NanhuntError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -83,6 +94,16 @@ class CallbackSession:
             from ..formats import get_format
 
             target = get_format(target).name  # a bad name fails here, not mid-training
+        if audit_steps < 1 or audit_warmup < 0:
+            raise NanhuntError("audit_steps must be at least 1 and audit_warmup at least 0")
+        self.audit_targets: list[str] | None = None
+        self.auditing = bool(audit)
+        if self.auditing and audit is not True:
+            from ..precision import parse_targets
+
+            self.audit_targets = parse_targets(audit)  # type: ignore[arg-type]
+        self.audit_steps, self.audit_warmup = audit_steps, audit_warmup
+        self.audit: Any = None  # the AuditSession while training runs
         self.out = None if out is None else Path(out)
         self.target = target
         self.keep_going = keep_going
@@ -101,6 +122,7 @@ class CallbackSession:
         self._run: Any = None
         self._paused = False
         self._framework = ""
+        self._audit_error = ""
 
     # -- the run ------------------------------------------------------------------------
 
@@ -155,20 +177,60 @@ class CallbackSession:
         self._run.target_source = "option" if self.target else (target_source if chosen else "")
         self._run.world_size = world_size
         self.hunt.start()
+        if self.auditing:
+            self._start_audit()
         # a run that raises out of a framework with no exception hook (the HF Trainer) still
         # gets its report, at exit
         atexit.register(self._at_exit)
         self._paused = False
         self.pause()  # traced inside training steps only (not validation, logging, saving)
 
+    def _start_audit(self) -> None:
+        from ..precision import AuditSession
+
+        # started after the Hunt, so that its Tensor.backward wrapper runs first and the Hunt
+        # is paused for the replays (quiet); stopped before it (the wrappers unwind in order)
+        self.audit = AuditSession(self.audit_targets, steps=self.audit_steps,
+                                  warmup=self.audit_warmup, quiet=self._hunt_quiet)
+        try:
+            self.audit.start()
+        except NanhuntError as exc:  # another audit in this process: train on, say why
+            _log.error("nanhunt: the audit did not start: %s", exc)
+            self._audit_error = str(exc)
+            self.audit = None
+            return
+        self.audit.pause()
+
+    @contextlib.contextmanager
+    def _hunt_quiet(self) -> Iterator[None]:
+        """The Hunt sees none of the audit's replays (they are not the user's computation)."""
+        hunt = self.hunt
+        was = getattr(hunt, "_active", None)
+        if hunt is not None and was:
+            hunt._active = False
+        try:
+            yield
+        finally:
+            if hunt is not None and was:
+                hunt._active = True
+
+    def _attach_audit(self, audit: Any, trace: Any) -> None:
+        from ..precision import attach
+
+        attach(trace, audit)
+
     def pause(self) -> None:
         """Between training steps: evaluation and logging are not training steps."""
+        if self.audit is not None:
+            self.audit.pause()
         hunt = self.hunt
         if hunt is not None and hunt._active:
             hunt._active = False
             self._paused = True
 
     def resume(self) -> None:
+        if self.audit is not None:
+            self.audit.resume()
         # a session that stopped itself after an internal error stays stopped
         if self.hunt is not None and self._paused:
             self.hunt._active = True
@@ -197,6 +259,10 @@ class CallbackSession:
         if hunt is None:
             return self.trace
         atexit.unregister(self._at_exit)
+        audit, self.audit = self.audit, None
+        if audit is not None:
+            audit.resume()
+            audit.stop()  # ranks what it measured (hooks out before the Hunt's come out)
         self.hunt = None
         self.resume()
         hunt.stop()
@@ -213,8 +279,14 @@ class CallbackSession:
         except OSError as exc:
             _log.error("nanhunt: cannot create report folder %s: %s", self.out_dir, exc)
             return None
+        amend = None
+        if audit is not None:
+            amend = lambda t: self._attach_audit(audit, t)  # noqa: E731
+        elif self._audit_error:
+            amend = lambda t: t.notes.append(  # noqa: E731
+                f"the audit did not start: {self._audit_error}")
         trace = analyse_and_report(hunt, run, self.out_dir, strict=self.strict,
-                                   ctx=self._ctx, quiet=True)
+                                   ctx=self._ctx, quiet=True, amend=amend)
         self.trace = trace
         if self._ctx.rank != 0:
             return trace

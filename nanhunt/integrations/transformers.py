@@ -49,6 +49,13 @@ class NanhuntCallback(TrainerCallback):
     ``<output_dir>/nanhunt-tensorboard``, or a folder), ``quiet``, ``strict``. After
     ``train()``, ``callback.trace`` is the run's :class:`~nanhunt.trace.Trace`.
 
+    ``audit=True`` (or a format, or several: ``audit="float16,bfloat16"``) also runs the
+    precision audit of ``nanhunt audit`` on ``audit_steps`` training batches (default 3) after
+    ``audit_warmup`` plain ones (default 1): each module's SQNR in the format against float32
+    on the batches the framework trains on, ranked, with checked fp32 advice for layers that
+    stand out; the report gains its ``precision`` section. Training is not changed (the
+    replays run on copies; see docs/integrations.md).
+
     >>> cb = NanhuntCallback(out="nanhunt-report", target="bf16")
     >>> cb.session.target
     'bfloat16'

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from ._session import AuditSession
 
-__all__ = ["AuditSession", "audit", "build_trace", "parse_targets"]
+__all__ = ["AuditSession", "attach", "audit", "build_trace", "parse_targets"]
 
 
 def __getattr__(name: str) -> Any:
@@ -54,14 +54,24 @@ def __getattr__(name: str) -> Any:
 def build_trace(session: AuditSession, run: RunInfo) -> Trace:
     """The report of a finished session: ``precision`` plus the checked fp32 advice."""
     trace = Trace(run=run)
+    attach(trace, session)
+    if session.audit is not None:
+        run.target = session.audit.target
+    dtypes = {s.plan.fmt.name for s in session.auditor.states if s.plan and s.plan.measured}
+    run.dtypes = sorted(dtypes | {"float32"})
+    return trace
+
+
+def attach(trace: Trace, session: AuditSession) -> Trace:
+    """Put a finished session's ``precision``, advice and notes into ``trace`` (the audit's
+    own report, or a framework callback's diagnosis report)."""
     audit_ = session.audit
     trace.precision = audit_
-    trace.recommendations = list(session.recommendations)
+    trace.recommendations = [*trace.recommendations, *session.recommendations]
     if audit_ is not None:
         audit_.seconds_plain_step = session.plain_step_seconds()
         for other in audit_.compare:
             other.seconds_plain_step = audit_.seconds_plain_step
-        run.target = audit_.target
         if audit_.steps < session.steps:
             trace.notes.append(f"the audit measured {audit_.steps} of the {session.steps} "
                                "steps asked for: the run ended first")
@@ -71,8 +81,6 @@ def build_trace(session: AuditSession, run: RunInfo) -> Trace:
             f"the {session.warmup} warm-up step(s)" if not session.auditor.notes else
             session.auditor.notes[0])
     trace.notes += [n for n in session.auditor.notes if n not in trace.notes]
-    dtypes = {s.plan.fmt.name for s in session.auditor.states if s.plan and s.plan.measured}
-    run.dtypes = sorted(dtypes | {"float32"})
     return trace
 
 
@@ -90,13 +98,17 @@ def audit(
 
     The model runs as given (a ``.half()`` model is measured in float16); ``target`` (a format
     or several, default the model's low-precision dtype, else float16) is simulated otherwise.
-    Nothing is trained and the model's parameters, buffers and gradients are left as they were.
+    Nothing is trained, and everything the audit's own calls could change is put back: the
+    model's parameters, buffers, gradients and other Python attributes (a call counter, a
+    cache), and torch's, Python's and numpy's random generators (``batch_fn``'s draws included).
     With ``out``, report.json / report.html / report.txt are written there. Returns the trace;
     ``trace.precision`` holds the layers and ``trace.recommendations`` the checked advice.
     """
     import torch
 
     from ._session import AuditSession
+    from ._state import module_state_kept
+    from ._tape import rng_kept
 
     if steps < 1:
         raise NanhuntError("steps must be at least 1")
@@ -110,7 +122,7 @@ def audit(
     # the forward the audit itself makes must not move BatchNorm statistics: put them back
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     try:
-        with session:
+        with rng_kept(), module_state_kept([model]), session:
             for _ in range(steps):
                 inputs, labels = batch_fn()
                 with torch.enable_grad():

@@ -6,8 +6,9 @@ format (``measured``), or simulates it (``simulated``: autocast with the target 
 the model cast for a ``model.half()`` run, FP8 by rounding GEMM inputs, weights and outputs).
 Each module call of a target replay is also replayed alone in float32 on float32 copies of its
 inputs (``_observe.py``). Nothing of the user's changes: parameters are passed to
-``functional_call``, buffers copied, gradients taken with ``torch.autograd.grad``, and the RNG
-forked.
+``functional_call``, buffers copied, gradients taken with ``torch.autograd.grad``, the
+generators (torch's, Python's, numpy's) put back, and the modules' other Python attributes
+stood in for while the replays run (``_state.py``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..capture.naming import Naming
 from ..formats import get_format
 from ..trace import PrecisionAudit, PrecisionLayer, PrecisionLoss
 from . import rank
 from ._observe import Measured, Observer, Plan, energies, is_gemm, round_to
-from ._tape import Entry, Tape, cuda_devices
+from ._state import ModuleState, module_state_kept
+from ._tape import Entry, Tape, rng_kept
 
 __all__ = ["Auditor"]
 
@@ -36,6 +39,7 @@ _FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 class _Sums:
     local: list[float] = field(default_factory=lambda: [0.0, 0.0])
     e2e: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    e2e_in: list[float] = field(default_factory=lambda: [0.0, 0.0])  # its floating inputs
     grad: list[float] = field(default_factory=lambda: [0.0, 0.0])
     has_grad: bool = False
     calls: int = 0
@@ -60,7 +64,9 @@ class Auditor:
     def __init__(self, targets: list[str] | None) -> None:
         self.requested = targets
         self.tape = Tape()
-        self.names: dict[nn.Module, str] = {}
+        # the same names as a diagnosis of the same run (a callback's report holds both): the
+        # first root with parameters unprefixed, DDP wrappers unwrapped
+        self.naming = Naming()
         self.observer = Observer(self._name)
         self.states: list[_TargetState] = []
         self.steps = 0
@@ -73,15 +79,14 @@ class Auditor:
 
     # -- naming -------------------------------------------------------------------------
 
+    @property
+    def names(self) -> Any:
+        """module -> its name, as ``nanhunt diagnose`` names it (capture's :class:`Naming`)."""
+        return self.naming.names
+
     def name_root(self, root: nn.Module, label: str) -> None:
-        if root in self.names:
-            return
-        primary = not any(n for n in self.names.values()) and next(root.parameters(),
-                                                                   None) is not None
-        for qual, mod in root.named_modules():
-            if mod not in self.names:
-                self.names[mod] = (qual or label) if primary else (
-                    f"{label}.{qual}" if qual else label)
+        if root not in self.naming.names:
+            self.naming.add_root(root, label=label)
 
     def _name(self, module: nn.Module) -> str:
         return self.names.get(module) or f"<{type(module).__name__}>"
@@ -151,7 +156,7 @@ class Auditor:
         if loss is None or not self.tape.tracks(loss):
             loss = tensor
         self.steps += 1
-        with torch.random.fork_rng(devices=cuda_devices()), torch.enable_grad():
+        with rng_kept(), module_state_kept(_roots(entries)), torch.enable_grad():
             b, env_b = self._replay(entries, None)
             grads_b = _grads(env_b.get(id(tensor)), b, gradient, torch.float32)
             b_loss = _scalar(env_b.get(id(loss)))
@@ -171,7 +176,10 @@ class Auditor:
         self.kept.append((entries, loss))
         return True
 
-    def _params(self, plan: Plan | None, root: nn.Module) -> dict[str, torch.Tensor]:
+    def _params(self, plan: Plan | None, root: nn.Module,
+                state: ModuleState | None = None) -> dict[str, torch.Tensor]:
+        """What ``root`` runs with in a replay; buffers as they were when the user's call
+        began (``state``), copied: the user's running statistics are never touched."""
         out: dict[str, torch.Tensor] = {}
         rel = _relative(plan.fix, root, self) if plan is not None else []
         for mname, mod in root.named_modules(remove_duplicate=False):
@@ -193,6 +201,8 @@ class Auditor:
                 if buf is None:
                     continue
                 full = f"{mname}.{bname}" if mname else bname
+                if state is not None:
+                    buf = state.buffers.get(full, buf)
                 dt = buf.dtype
                 if buf.is_floating_point():
                     if plan is None or fixed or plan.fp8 is not None:
@@ -233,7 +243,7 @@ class Auditor:
 
         self.observer.begin("float32" if plan is None else "target", plan, analyse=analyse)
         try:
-            env = self.tape.replay(entries, params=lambda m: self._params(plan, m),
+            env = self.tape.replay(entries, params=lambda e: self._params(plan, e.fn, e.state),
                                    autocast=autocast, inputs=inputs)
         finally:
             seen = self.observer.end()
@@ -255,6 +265,10 @@ class Auditor:
                 sg, ns, _ = energies(rb, ra)
                 s.e2e[0] += sg
                 s.e2e[1] += ns
+            for ra, rb in zip(a.inputs.get(key, []), b.inputs.get(key, []), strict=False):
+                sg, ns, _ = energies(rb, ra)
+                s.e2e_in[0] += sg
+                s.e2e_in[1] += ns
             ga, gb = grads_a.get(key), grads_b.get(key)
             if ga and gb:
                 for x, y in zip(ga, gb, strict=False):
@@ -275,7 +289,8 @@ class Auditor:
             return None, None
         plan = Plan(**{**state.plan.__dict__, "fix": tuple(modules)})
         before, after = [], []
-        with torch.random.fork_rng(devices=cuda_devices()), torch.no_grad():
+        roots = _roots([e for entries, _ in self.kept for e in entries])
+        with rng_kept(), module_state_kept(roots), torch.no_grad():
             for entries, loss in self.kept:
                 ref = _scalar(self._replay(entries, None)[1].get(id(loss)))
                 for fixed, out in ((state.plan, before), (plan, after)):
@@ -299,6 +314,9 @@ class Auditor:
                 layers.append(PrecisionLayer(
                     module=name, type=meta["type"], sqnr_db=rank.sqnr_db(*s.local),
                     sqnr_db_end_to_end=rank.sqnr_db(*s.e2e),
+                    sqnr_db_end_to_end_in=rank.sqnr_db(*s.e2e_in),
+                    drift_jump_db=rank.drift_jump_db(s.e2e_in, s.e2e),
+                    drift_added_db=rank.drift_added_db(s.e2e_in, s.e2e),
                     grad_sqnr_db=rank.sqnr_db(*s.grad) if s.has_grad else None,
                     calls=s.calls, order=meta["order"], depth=meta["depth"],
                     leaf=meta["leaf"], dtype=meta.get("dtype", ""), parent=meta.get("parent"),
@@ -316,6 +334,14 @@ class Auditor:
         first = audits[0]
         first.compare = audits[1:]
         return first
+
+
+def _roots(entries: list[Entry]) -> list[nn.Module]:
+    out: list[nn.Module] = []
+    for e in entries:
+        if e.module and all(e.fn is not r for r in out):
+            out.append(e.fn)
+    return out
 
 
 def _relative(fix: tuple[str, ...], root: nn.Module, auditor: Auditor) -> list[str]:

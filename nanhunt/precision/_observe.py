@@ -4,6 +4,25 @@ Phases: ``record`` (the user's own step: top-level module calls go on the tape),
 (a replay in the target format: each call's output is kept and the module is replayed alone in
 float32 on float32 copies of the same inputs), ``float32`` (a float32 replay: outputs kept),
 ``off`` (nothing; our own replays run in it).
+
+What it shares with capture (``nanhunt/capture``): module names come from capture's
+:class:`~nanhunt.capture.naming.Naming` (the names ``nanhunt diagnose`` gives the same run,
+DDP wrappers unwrapped), and the record phase skips what capture's module observer skips
+(``_in_backward``: activation-checkpoint recomputes; ``_skip``: Dynamo tracing). Why it is not
+capture's :class:`~nanhunt.capture.modules.ModuleObserver` composed differently:
+
+- that observer is a ``Part`` of a capture ``Session``: it files each call into the session's
+  step state and queues on-device *summaries* of its tensors in the recorder; the audit needs
+  each call's whole output tensors, keyed by (module, call index), in replays the audit itself
+  runs, to compare two replays element by element;
+- in a target replay these hooks *change* a call: they return new arguments and outputs (FP8
+  rounding around GEMMs, the float32 region of the advice being checked, the cast back to a
+  half model's dtype) and replay the module alone in float32 from inside its post-hook;
+  capture's observers must never change a value (the run stays bit-identical);
+- in the user's own step the audit records only the top-level calls (a tape), not every call.
+
+So the two would share only ``register_module_forward_pre_hook`` / ``register_module_forward_hook``;
+a framework callback with ``audit=`` runs both at once, the Hunt paused while the audit replays.
 """
 
 from __future__ import annotations
@@ -23,7 +42,9 @@ from torch.nn.modules import module as _M
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..capture._util import _in_backward, _skip
 from ..formats import NumberFormat
+from ._state import ModuleState, rebind
 from ._tape import cast_floating, rng_state, set_rng_state
 
 __all__ = ["Observer", "Plan", "energies", "round_to"]
@@ -177,6 +198,7 @@ class _Frame:
     rng: Any
     fixed: bool
     region: contextlib.ExitStack | None = None
+    state: ModuleState | None = None  # the module's state when this call began
 
 
 @dataclass
@@ -184,6 +206,7 @@ class Measured:
     """What one replay saw: each call's output leaves, and (target) its own rounding."""
 
     outputs: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    inputs: dict[Key, list[torch.Tensor]] = field(default_factory=dict)  # as the call got them
     local: dict[Key, tuple[float, float, int]] = field(default_factory=dict)
     analysis: dict[str, dict[str, float]] = field(default_factory=dict)
     meta: dict[str, dict[str, Any]] = field(default_factory=dict)  # type, order, depth, leaf
@@ -232,8 +255,11 @@ class Observer:
 
     def _pre(self, module: nn.Module, args: tuple) -> Any:
         if self.phase == "record":
+            if _in_backward() or _skip():
+                return None  # an activation-checkpoint recompute, a Dynamo trace: not calls
             if self.depth == 0:
-                self._root_rng.append(rng_state())
+                # where the call starts from: replays start from there too
+                self._root_rng.append((rng_state(), ModuleState.capture(module)))
             self.depth += 1
             return None
         if self.phase not in ("target", "float32"):
@@ -246,6 +272,7 @@ class Observer:
                                     "depth": len(self._frames),
                                     "parent": self._frames[-1].name if self._frames else None,
                                     "leaf": next(module.children(), None) is None}
+        self.seen.inputs[key] = _leaves(args)  # before any change below: what the call got
         if self.phase == "float32":
             self._frames.append(_Frame(key, name, None, None, False))
             return None
@@ -254,7 +281,7 @@ class Observer:
         parent_fixed = bool(self._frames) and self._frames[-1].fixed
         fixed = parent_fixed or name in plan.fix
         frame = _Frame(key, name, cast_floating(args, torch.float32, copy=True),
-                       rng_state(), fixed)
+                       rng_state(), fixed, state=ModuleState.capture(module))
         self._frames.append(frame)
         if fixed and not parent_fixed:
             # the recommendation as the snippet installs it: float32 inputs, autocast off
@@ -268,10 +295,12 @@ class Observer:
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         if self.phase == "record":
+            if _in_backward() or _skip():
+                return None
             self.depth = max(self.depth - 1, 0)
             if self.depth == 0 and self.on_root is not None:
-                rng = self._root_rng.pop() if self._root_rng else None
-                self.on_root(module, args, kwargs, out, rng)
+                rng, state = self._root_rng.pop() if self._root_rng else (None, None)
+                self.on_root(module, args, kwargs, out, rng, state)
             return None
         if self.phase not in ("target", "float32") or not self._frames:
             return None
@@ -298,8 +327,11 @@ class Observer:
         """Replay ``module`` alone in float32 on float32 copies of its inputs."""
         phase, self.phase = self.phase, "off"
         after = rng_state()
+        # the call alone starts where the call started (a counter not yet counted, a buffer
+        # not yet updated); the replay it is part of goes on from where the call ended
+        before = frame.state.apply() if frame.state is not None else []
         try:
-            params = self._float32_params(module)
+            params = self._float32_params(module, frame.state)
             kw32 = cast_floating(kwargs, torch.float32, copy=True)
             analyse = self.analyse and frame.key[1] == 0 and frame.name not in self.seen.analysis
             stats = _OpStats() if analyse else contextlib.nullcontext()
@@ -322,19 +354,26 @@ class Observer:
                 data.update(_range(ref_leaves, self.plan.fmt))  # type: ignore[union-attr]
                 self.seen.analysis[frame.name] = data
         finally:
+            rebind(before)
             set_rng_state(after)
             self.phase = phase
 
-    def _float32_params(self, module: nn.Module) -> dict[str, torch.Tensor]:
+    def _float32_params(self, module: nn.Module,
+                        state: ModuleState | None) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for prefix, sub in module.named_modules(remove_duplicate=False):
             own = self.original.get(id(sub), {})
             for pname, p in own.items():
                 out[f"{prefix}.{pname}" if prefix else pname] = p
             for bname, b in sub._buffers.items():
-                if b is not None:  # the replay's current copy, never the user's buffer
-                    out[f"{prefix}.{bname}" if prefix else bname] = b.detach().to(
-                        torch.float32 if b.is_floating_point() else b.dtype, copy=True)
+                if b is None:
+                    continue
+                full = f"{prefix}.{bname}" if prefix else bname
+                if state is not None:  # as it was when the call began
+                    b = state.buffers.get(full, b)
+                # a copy of the replay's own buffer, never the user's
+                out[full] = b.detach().to(
+                    torch.float32 if b.is_floating_point() else b.dtype, copy=True)
         return out
 
 

@@ -47,7 +47,7 @@ class _TopLevel(TorchFunctionMode):
         obs = s.auditor.observer
         try:
             record = (obs.phase == "record" and obs.depth == 0 and not s.busy
-                      and getattr(func, "__name__", "") not in _SKIP
+                      and not s.paused and getattr(func, "__name__", "") not in _SKIP
                       and s.auditor.tape.tracks((args, kwargs)))
             rng = rng_state() if record else None
         except Exception as exc:  # never the user's problem
@@ -66,10 +66,15 @@ class AuditSession:
     """Trace ``steps`` steps after ``warmup`` and measure them (one session at a time)."""
 
     def __init__(self, targets: list[str] | None = None, *, steps: int = 3, warmup: int = 1,
-                 label: str | None = None) -> None:
+                 label: str | None = None, quiet: Any = None) -> None:
         self.auditor = Auditor(targets)
         self.steps, self.warmup, self.label = steps, warmup, label
+        # a context manager factory: other sessions (a callback's Hunt) stay out of the replays
+        self.quiet = quiet or contextlib.nullcontext
         self.busy = False
+        # between a framework's training steps (validation, logging): nothing is recorded and
+        # a backward() is neither counted nor audited
+        self.paused = False
         self.tracing = False
         self.done = False
         self.audit: PrecisionAudit | None = None
@@ -98,7 +103,15 @@ class AuditSession:
         return self
 
     def stop(self) -> None:
+        """Remove every hook; a run that ended before ``steps`` audited steps is ranked on
+        the steps it had (the report says how many)."""
         global _ACTIVE
+        if not self.done and not self._failed and self.auditor.steps > 0:
+            try:
+                with self.quiet():
+                    self._finish()
+            except Exception as exc:  # never the user's problem
+                self.fail(exc)
         self._end()
         if self._stack is not None:
             self._stack.close()
@@ -150,14 +163,21 @@ class AuditSession:
 
     # -- callbacks ------------------------------------------------------------------------
 
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
     def _on_root(self, module: nn.Module, args: tuple, kwargs: dict, out: Any,
-                 rng: Any) -> None:
-        if self.busy:
+                 rng: Any, state: Any = None) -> None:
+        if self.busy or self.paused:
             return
         try:
             self.auditor.name_root(module, self.label or _variable_name(module)
                                    or type(module).__name__)
-            self.auditor.tape.add(call_entry(module, args, kwargs, out, module=True, rng=rng))
+            self.auditor.tape.add(call_entry(module, args, kwargs, out, module=True, rng=rng,
+                                             state=state))
         except Exception as exc:  # a bug in the audit must never stop the user's training
             self.fail(exc)
 
@@ -207,7 +227,10 @@ class AuditSession:
                 result = original(tensor, gradient, *args, **kwargs)
             finally:
                 session.busy = False
-            if not session.tracing and not session.done and session._backwards >= session.warmup:
+            if session.paused:
+                pass
+            elif not session.tracing and not session.done and \
+                    session._backwards >= session.warmup:
                 session._begin()
             elif session.done and session.tracing:
                 session._end()
@@ -216,6 +239,8 @@ class AuditSession:
         return backward
 
     def _before_backward(self, tensor: torch.Tensor, gradient: Any) -> None:
+        if self.paused:
+            return
         self._backwards += 1
         if not self.tracing:
             self._times.append(time.perf_counter())
@@ -228,9 +253,10 @@ class AuditSession:
         obs = self.auditor.observer
         was, self.busy = self.busy, True
         try:
-            ok = self.auditor.measure(tensor, gradient)
-            if ok and self.auditor.steps >= self.steps:
-                self._finish()
+            with self.quiet():  # the advice check at the end replays too
+                ok = self.auditor.measure(tensor, gradient)
+                if ok and self.auditor.steps >= self.steps:
+                    self._finish()
         except Exception as exc:  # a bug in the audit must never stop the user's training
             self.fail(exc)
         finally:

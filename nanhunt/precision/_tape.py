@@ -12,16 +12,20 @@ the user's parameters, buffers, gradients or RNG (parameters are passed to
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["Entry", "Tape", "cast_floating", "cuda_devices", "rng_state", "set_rng_state"]
+from ._state import rebind
+
+__all__ = ["Entry", "Tape", "cast_floating", "cuda_devices", "rng_kept", "rng_state",
+           "set_rng_state"]
 
 # in-place calls that return nothing useful: their first argument is what they produce
 _INPLACE_NONE = {"__setitem__"}
@@ -43,15 +47,40 @@ def cuda_devices() -> list[int]:
     return list(range(torch.cuda.device_count()))
 
 
-def rng_state() -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda_devices()}
+def rng_state() -> tuple[Any, ...]:
+    """Every generator a module's forward may draw from: torch's CPU and CUDA generators, and
+    Python's and numpy's global ones (stochastic depth written with ``random.random()``)."""
+    np_random = _numpy_random()
+    return (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda_devices()},
+            random.getstate(), np_random.get_state() if np_random is not None else None)
 
 
-def set_rng_state(state: tuple[torch.Tensor, dict[int, torch.Tensor]]) -> None:
-    cpu, cuda = state
+def set_rng_state(state: tuple[Any, ...]) -> None:
+    cpu, cuda, py, np_state = state
     torch.set_rng_state(cpu)
     for d, s in cuda.items():
         torch.cuda.set_rng_state(s, d)
+    random.setstate(py)
+    np_random = _numpy_random()
+    if np_state is not None and np_random is not None:
+        np_random.set_state(np_state)
+
+
+def _numpy_random() -> Any:
+    # only when the script imported numpy itself: the audit never imports it for the user
+    np = sys.modules.get("numpy")
+    return getattr(np, "random", None) if np is not None else None
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """The user's generators as they were when the block began (``torch.random.fork_rng``
+    covers torch's only)."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
 
 
 def _autocast_state() -> dict[str, tuple[bool, torch.dtype]]:
@@ -92,6 +121,7 @@ class Entry:
     autocast: dict[str, tuple[bool, torch.dtype]]
     grad_enabled: bool
     rng: Any = None
+    state: Any = None  # a module call's ModuleState when it began (``_state.py``)
     produces: list[int] = field(default_factory=list)  # ids of the tensors it made or changed
     uses: list[int] = field(default_factory=list)  # ids of tracked tensors among its arguments
 
@@ -136,13 +166,14 @@ class Tape:
         self,
         entries: list[Entry],
         *,
-        params: Callable[[nn.Module], dict[str, torch.Tensor]],
+        params: Callable[[Entry], dict[str, torch.Tensor]],
         autocast: Callable[[Entry], dict[str, tuple[bool, torch.dtype]]],
         inputs: Callable[[Any], Any],
     ) -> dict[int, Any]:
         """Run ``entries`` again; returns {id(original tensor): its replayed counterpart}.
 
-        ``params(root)`` gives the parameters and buffers a module call runs with, ``autocast``
+        ``params(entry)`` gives the parameters and buffers a module call runs with (its
+        Python attributes are the copies its ``state`` holds, for the call), ``autocast``
         the autocast state of each call, ``inputs`` maps arguments that did not come from the
         tape (the batch, targets, the scaler's scale).
         """
@@ -162,7 +193,11 @@ class Tape:
                 set_rng_state(e.rng)
             with autocast_as(autocast(e)), torch.set_grad_enabled(e.grad_enabled):
                 if e.module:
-                    out = functional_call(e.fn, params(e.fn), args, kwargs, strict=False)
+                    before = e.state.apply() if e.state is not None else []
+                    try:
+                        out = functional_call(e.fn, params(e), args, kwargs, strict=False)
+                    finally:
+                        rebind(before)
                 else:
                     out = e.fn(*args, **kwargs)
             made_old = _tensors(e.out)
@@ -177,7 +212,7 @@ class Tape:
 
 
 def call_entry(fn: Any, args: tuple, kwargs: dict, out: Any, *, module: bool,
-               rng: Any = None) -> Entry:
+               rng: Any = None, state: Any = None) -> Entry:
     return Entry(
         fn=fn,
         args=args,
@@ -187,4 +222,5 @@ def call_entry(fn: Any, args: tuple, kwargs: dict, out: Any, *, module: bool,
         autocast=_autocast_state(),
         grad_enabled=torch.is_grad_enabled(),
         rng=rng,
+        state=state,
     )

@@ -31,9 +31,13 @@ from ..trace import PrecisionAudit, PrecisionLayer, Recommendation
 
 __all__ = [
     "EXPLAINED_DB",
+    "JUMP_DB",
     "STANDOUT_DB",
     "VERIFY_FACTOR",
+    "drift_added_db",
+    "drift_jump_db",
     "fp32_groups",
+    "loss_key",
     "nominal_sqnr_db",
     "rank_layers",
     "reasons",
@@ -46,6 +50,9 @@ STANDOUT_DB = 20.0
 #: a container is explained by a child whose SQNR is within this of its own (or worse): the
 #: layers after the child amplify its error, so the container may lose somewhat more
 EXPLAINED_DB = 10.0
+#: a jump of the end-to-end drift across a layer this large (100x the relative noise power)
+#: ranks the layer by the drift it adds (see :func:`loss_key`)
+JUMP_DB = 20.0
 #: advice counts as checked when the end-to-end loss error at least halves with the fix
 VERIFY_FACTOR = 0.5
 
@@ -61,6 +68,60 @@ def sqnr_db(signal: float, noise: float) -> float | None:
     if signal <= 0:
         return -math.inf
     return 10.0 * math.log10(signal / noise)
+
+
+def drift_jump_db(e2e_in: list[float], e2e_out: list[float]) -> float | None:
+    """How far the end-to-end SQNR drops across a layer: that of its inputs minus that of its
+    output (energies ``[signal, noise]`` summed over its calls). Positive: the drift against
+    float32 grows in the layer; ``inf``: its inputs were exact (the drift starts here); null
+    when either side was not measured or both are exact.
+
+    >>> drift_jump_db([1.0, 1e-6], [1.0, 1e-3]), drift_jump_db([1.0, 0.0], [1.0, 1e-2])
+    (30.0, inf)
+    """
+    a, b = sqnr_db(*e2e_in), sqnr_db(*e2e_out)
+    if a is None or b is None or (math.isinf(a) and math.isinf(b) and a == b):
+        return None
+    return a - b
+
+
+def drift_added_db(e2e_in: list[float], e2e_out: list[float]) -> float | None:
+    """The drift a layer adds, as an SQNR comparable with its own: with r = noise / signal
+    the relative noise power of its inputs (``r_in``) and of its output (``r_out``) against the
+    float32 run, ``-10 log10(r_out - r_in)``; ``inf`` when ``r_out <= r_in`` (it passes the
+    drift on without adding to it), null when either side was not measured.
+
+    >>> round(drift_added_db([1.0, 1e-6], [1.0, 1e-3]), 3), drift_added_db([1, 1e-3], [1, 1e-4])
+    (30.004, inf)
+    """
+    (s_in, n_in), (s_out, n_out) = e2e_in, e2e_out
+    if s_in <= 0 or s_out <= 0:
+        return None
+    added = n_out / s_out - n_in / s_in
+    return math.inf if added <= 0 else -10.0 * math.log10(added)
+
+
+def loss_key(layer: PrecisionLayer) -> float:
+    """What ranks a layer: its own SQNR, or, where the end-to-end drift jumps across it by
+    :data:`JUMP_DB` or more, the lower of that and the SQNR of the drift it adds.
+
+    A smaller jump is left out on purpose: a layer after the culprit that cancels a common
+    offset (a Linear over positive sums) raises the drift reaching it a few dB, and ranking it
+    by the drift it adds would put it above the layer that made that drift.
+
+    >>> from nanhunt.trace import PrecisionLayer
+    >>> loss_key(PrecisionLayer("rho", "Linear", sqnr_db=59.5, drift_jump_db=6.4,
+    ...                         drift_added_db=22.2))
+    59.5
+    >>> loss_key(PrecisionLayer("pool", "Sum", sqnr_db=40.0, drift_jump_db=43.5,
+    ...                         drift_added_db=27.6))
+    27.6
+    """
+    own = layer.sqnr_db if layer.sqnr_db is not None else math.inf
+    jump, added = layer.drift_jump_db, layer.drift_added_db
+    if jump is not None and jump >= JUMP_DB and added is not None:
+        return min(own, added)
+    return own
 
 
 def nominal_sqnr_db(fmt: NumberFormat) -> float:
@@ -113,7 +174,7 @@ def rank_layers(audit: PrecisionAudit, fmt: NumberFormat) -> None:
         if worst is not None and worst.sqnr_db <= layer.sqnr_db + EXPLAINED_DB:
             layer.explained_by = worst.module
     ranked = [x for x in layers if x.explained_by is None and x.sqnr_db is not None]
-    ranked.sort(key=lambda x: (x.sqnr_db, x.order))
+    ranked.sort(key=lambda x: (loss_key(x), x.sqnr_db, x.order))
     for i, layer in enumerate(ranked, 1):
         layer.rank = i
     nominal = nominal_sqnr_db(fmt)
@@ -175,6 +236,11 @@ def reasons(layer: PrecisionLayer, fmt: NumberFormat, nominal: float) -> list[st
     if r > span:
         out.append(f"its values span {r:.0f} binades; {fmt.name}'s normal range has {span:.0f}")
     e2e = layer.sqnr_db_end_to_end
+    jump, e2e_in = layer.drift_jump_db, layer.sqnr_db_end_to_end_in
+    if _finite(jump) and jump >= JUMP_DB and _finite(e2e) and _finite(e2e_in):  # type: ignore
+        out.append(f"the end-to-end drift jumps across it: SQNR against the float32 run "
+                   f"falls {jump:.0f} dB, from {e2e_in:.1f} dB at its inputs to {e2e:.1f} dB "
+                   "at its output")
     if _finite(layer.grad_sqnr_db) and _finite(e2e) and \
             layer.grad_sqnr_db < e2e - 10:  # type: ignore[operator]
         out.append(f"its gradient fares worse than its output: grad SQNR "

@@ -15,6 +15,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ..precision.rank import JUMP_DB
 from ..trace import PrecisionAudit, PrecisionLayer, Trace
 from ._svg import MUTED, esc, n
 
@@ -38,6 +39,16 @@ def fmt_db(x: float | None) -> str:
     if math.isnan(x):
         return "nan"
     return f"{x:.1f}"
+
+
+def fmt_jump(x: float | None) -> str:
+    """The drift jump: dB the end-to-end SQNR drops across the layer; 'start' where its
+    inputs were exact (the drift starts there)."""
+    if x is None:
+        return "—"
+    if math.isinf(x):
+        return "start" if x > 0 else "-inf"
+    return f"{x:+.1f}"
 
 
 def _ordered(audit: PrecisionAudit, show_all: bool) -> list[PrecisionLayer]:
@@ -93,8 +104,9 @@ def terminal_section(console: Console, trace: Trace, *, show_all: bool = False,
     console.print(Text(f"SQNR in dB against float32, higher is better; rounding to "
                        f"{audit.target} alone gives {fmt_db(audit.nominal_sqnr_db)}, layers "
                        f"below {fmt_db(audit.threshold_db)} stand out. own: the layer alone on "
-                       "the same inputs; e2e: against a float32 run of the whole model; grad: "
-                       "its output's gradient.", style="dim"))
+                       "the same inputs; e2e: against a float32 run of the whole model; jump: "
+                       "how far e2e drops from its inputs to its output (start: exact inputs); "
+                       "grad: its output's gradient.", style="dim"))
     console.print(Text(_loss_line(audit), style="dim"))
     rows = _ordered(audit, show_all)
     shown = rows if show_all else rows[:max_layers]
@@ -105,6 +117,7 @@ def terminal_section(console: Console, trace: Trace, *, show_all: bool = False,
     table.add_column("type", overflow="fold", ratio=2)
     table.add_column("own", justify="right", no_wrap=True)
     table.add_column("e2e", justify="right", no_wrap=True)
+    table.add_column("jump", justify="right", no_wrap=True)
     table.add_column("grad", justify="right", no_wrap=True)
     for o in others:
         table.add_column(_short(o.target), justify="right", no_wrap=True)
@@ -113,7 +126,7 @@ def terminal_section(console: Console, trace: Trace, *, show_all: bool = False,
         style = "bold yellow" if layer.stands_out else ""
         cells = [str(layer.rank) if layer.rank is not None else "·", layer.module, layer.type,
                  fmt_db(layer.sqnr_db), fmt_db(layer.sqnr_db_end_to_end),
-                 fmt_db(layer.grad_sqnr_db)]
+                 fmt_jump(layer.drift_jump_db), fmt_db(layer.grad_sqnr_db)]
         cells += [fmt_db(m[layer.module].sqnr_db) if layer.module in m else "—"
                   for m in by_other]
         table.add_row(*cells, style=style)
@@ -185,7 +198,9 @@ def html_card(trace: Trace) -> str:
     return (f'<section id="precision" class="card"><h2>Precision audit</h2>'
             f'<p class="sub">SQNR in dB against float32 (higher is better): own = the layer '
             f"alone on the same inputs, e2e = against a float32 run of the whole model on the "
-            f"same batch, grad = the gradient of its output.</p>{''.join(parts)}</section>")
+            f"same batch, jump = how far e2e drops from the layer's inputs to its output "
+            f"(start: its inputs were exact), grad = the gradient of its output.</p>"
+            f"{''.join(parts)}</section>")
 
 
 def _html_table(audit: PrecisionAudit) -> str:
@@ -197,9 +212,11 @@ def _html_table(audit: PrecisionAudit) -> str:
             f"<tr{cls}><td>{layer.rank if layer.rank is not None else '·'}</td>"
             f"<td class=\"mono\">{esc(layer.module)}</td><td>{esc(layer.type)}</td>"
             f"<td>{fmt_db(layer.sqnr_db)}</td><td>{fmt_db(layer.sqnr_db_end_to_end)}</td>"
+            f"<td>{fmt_jump(layer.drift_jump_db)}</td>"
             f"<td>{fmt_db(layer.grad_sqnr_db)}</td><td>{why}</td></tr>")
     return ('<div class="table-wrap"><table class="modules"><thead><tr><th>#</th>'
-            "<th>module</th><th>type</th><th>own</th><th>e2e</th><th>grad</th><th>why</th>"
+            "<th>module</th><th>type</th><th>own</th><th>e2e</th><th>jump</th><th>grad</th>"
+            "<th>why</th>"
             f"</tr></thead><tbody>{''.join(rows)}</tbody></table></div>")
 
 
@@ -248,10 +265,20 @@ def sqnr_chart(audit: PrecisionAudit, width: int = 640, height: int = 220) -> st
     if len(pts) > 1:
         out.append(f'<polyline class="e2e" points="{" ".join(pts)}" fill="none" '
                    'stroke="#2563eb" stroke-width="1.5"/>')
+    for i, x in enumerate(layers):  # where the drift jumps: e2e from its inputs to its output
+        jump, e_in, e_out = x.drift_jump_db, x.sqnr_db_end_to_end_in, x.sqnr_db_end_to_end
+        if jump is not None and math.isfinite(jump) and jump >= JUMP_DB and \
+                e_in is not None and e_out is not None:
+            out.append(f'<line class="jump" x1="{n(x_of(i))}" x2="{n(x_of(i))}" '
+                       f'y1="{n(y_of(e_in))}" y2="{n(y_of(e_out))}" stroke="#f59e0b" '
+                       f'stroke-width="6" stroke-opacity="0.6"><title>{esc(x.module)}: the '
+                       f"end-to-end SQNR drops {jump:.1f} dB across it ({fmt_db(e_in)} → "
+                       f"{fmt_db(e_out)} dB)</title></line>")
     for i, x in enumerate(layers):
         colour = "#dc2626" if x.stands_out else "#0f766e"
         tip = (f"{x.module} ({x.type}): own {fmt_db(x.sqnr_db)} dB, end to end "
-               f"{fmt_db(x.sqnr_db_end_to_end)} dB, grad {fmt_db(x.grad_sqnr_db)} dB")
+               f"{fmt_db(x.sqnr_db_end_to_end)} dB (jump {fmt_jump(x.drift_jump_db)}), grad "
+               f"{fmt_db(x.grad_sqnr_db)} dB")
         out.append(f'<circle class="own" cx="{n(x_of(i))}" cy="{n(y_of(x.sqnr_db))}" r="4" '
                    f'fill="{colour}"><title>{esc(tip)}</title></circle>')
     if len(layers) <= 16:
@@ -260,5 +287,6 @@ def sqnr_chart(audit: PrecisionAudit, width: int = 640, height: int = 220) -> st
             out.append(f'<text x="{n(x_of(i))}" y="{height - 14}" text-anchor="middle" '
                        f'fill="{MUTED}" font-size="9">{esc(label)}</text>')
     out.append(f'<text x="{px0}" y="{height - 2}" fill="{MUTED}" font-size="10">depth '
-               "(execution order) → · dots: own SQNR · line: end to end</text></svg>")
+               "(execution order) → · dots: own SQNR · line: end to end · amber bar: the drift "
+               "jumps</text></svg>")
     return "".join(out)

@@ -102,11 +102,26 @@ def test_reports_render_in_terminal_json_and_html(audited):
     assert {"target", "float32"} <= set(report["precision"]["loss"])
     html = (out / "report.html").read_text()
     assert 'id="precision"' in html and 'class="chart sqnr"' in html
+    # the chart marks every layer across which the end-to-end drift jumps 20 dB or more
+    # (inputs not exact), and only those
+    jumps = [[x["module"] for x in a["layers"]
+              if isinstance(x["drift_jump_db"], float) and x["drift_jump_db"] >= 20
+              and isinstance(x["sqnr_db_end_to_end_in"], float)
+              and (x["rank"] is not None or x["leaf"])]
+             for a in (report["precision"], *report["precision"]["compare"])]  # one chart each
+    assert html.count('<line class="jump"') == sum(map(len, jumps))
+    for m in {m for ms in jumps for m in ms}:
+        assert f"<title>{m}: the end-to-end SQNR drops" in html
+    # the culprit's inputs carry float16's drift and it makes far more; fourier_mlp's encode
+    # takes the batch itself (exact inputs: its jump is "inf", the drift starts there, no bar)
+    if culprit is not None and culprit != "encode":
+        assert culprit in jumps[0]
     assert not re.search(r'(src|href)="(https?:)?//', html)
     text = (out / "report.txt").read_text()
     assert "Precision audit" in text
     if culprit is not None:
         assert culprit in proc.stderr and "AUDIT" in proc.stderr
+        assert " jump " in proc.stderr
     # no terminal: rich renders 80 columns; code snippets are the exception (never wrapped, so
     # that a copied snippet parses)
     code = {"   " + ln for r in report.get("recommendations", []) for ln in

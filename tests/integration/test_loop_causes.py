@@ -72,6 +72,12 @@ PLAIN = {
     "tabular_fp32": ["tabular_thousands_mlp.py", "--fp32", "--steps", "2"],
     "logtarget_mlp": ["log_target_zero.py", "--arch", "mlp", "--steps", "5"],
     "logtarget_conv1d": ["log_target_zero.py", "--arch", "conv1d", "--steps", "5"],
+    "zero_grad_mlp": ["scaler_zero_grad_after_unscale.py", "--arch", "mlp", "--steps", "4"],
+    "zero_grad_cnn": ["scaler_zero_grad_after_unscale.py", "--arch", "cnn", "--steps", "4"],
+    "zero_grad_mlp_lr0": ["scaler_zero_grad_after_unscale.py", "--arch", "mlp", "--steps", "4",
+                          "--lr", "0"],
+    "zero_grad_cnn_lr0": ["scaler_zero_grad_after_unscale.py", "--arch", "cnn", "--steps", "4",
+                          "--lr", "0"],
 }
 
 
