@@ -445,13 +445,7 @@ def scale_collapse(trace: Trace, ctx: Context) -> Iterator[Finding]:
         return
     if _collapse_cause(ctx) == "nan_op" and _backward_class(ctx).name == "nan_op":
         return  # backward-nan-op names the op; the collapse is its evidence
-    streak = []
-    for s in sorted(trace.steps, key=lambda s: s.index):
-        if s.index < f.step:
-            continue
-        if not s.skipped:
-            break
-        streak.append(s)
+    streak = _collapse_streak(ctx)
     first = ctx.scale_at(f.step) if ctx.steps.get(f.step) else None
     events = [e for e in trace.scaler_events if e.event == "backoff" and e.step >= f.step]
     last = events[-1].scale_after if events else (streak[-1].scale if streak else None)
