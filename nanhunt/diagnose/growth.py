@@ -225,7 +225,16 @@ def _grad_site(ctx: Context) -> tuple[str, list[tuple[int, float]]] | None:
         # the most, the one nearest the loss (last in forward order) is where it starts
         top = max(growth(p) for _, p in cands)
         strong = [c for c in cands if math.log(growth(c[1])) >= 0.5 * math.log(top)]
-        layer, pts = max(strong, key=lambda c: ctx.order.get(c[0].module, -1))
+        # ... unless one of them applies its weights again and again in a step: a recurrence
+        # multiplies the gradient by its own Jacobian at each call, so it is the amplifier, and
+        # a feed-forward layer after it (a readout head) only follows its input. Choosing by
+        # "nearest the loss" alone flips on the float rounding of a chaotic run when the head's
+        # growth sits near the cut; the recurrence with the most growth does not.
+        loops = [c for c in strong if _recurrent(ctx, c[0])]
+        if loops:
+            layer, pts = max(loops, key=lambda c: growth(c[1]))
+        else:
+            layer, pts = max(strong, key=lambda c: ctx.order.get(c[0].module, -1))
     else:
         layer, pts = max(cands, key=lambda c: c[1][-1][1])
     ancestors = [o.module for o in ctx.trace.layers if o.module
@@ -256,10 +265,18 @@ def _recurrent_explosion(ctx: Context) -> str | None:
     if site is None:
         return None
     layer = ctx.layer(site[0])
-    steps = max(1, len(layer.forward_amax_by_step)) if layer is not None else 1
-    recurrent = layer is not None and (any(w in layer.type for w in _RECURRENT)
-                                       or layer.calls >= 2 * steps)
-    return site[0] if recurrent else None
+    return site[0] if layer is not None and _recurrent(ctx, layer) else None
+
+
+def _recurrent(ctx: Context, layer: LayerStats) -> bool:
+    """An RNN/LSTM/GRU, or a module with parameters called several times a step (a cell in a
+    hand-written loop through time), or one inside such a module."""
+    # calls count every traced step, while the by-step series keep only the last few
+    steps = max(1, sum(1 for s in ctx.trace.steps if s.traced is not False),
+                len(layer.forward_amax_by_step))
+    outer = [o for o in ctx.trace.layers if o.module and o.calls >= layer.calls
+             and (o is layer or ctx.is_descendant(layer.module, o.module))]
+    return any(any(w in o.type for w in _RECURRENT) or o.calls >= 2 * steps for o in outer)
 
 
 def _explosion_harm(ctx: Context, step: int) -> str | None:

@@ -173,8 +173,11 @@ def test_exploding_gradients_name_the_recurrent_module(runs, name, module):
 @pytest.mark.parametrize(("ref", "module", "other"), [("explode-rnn-fp32", "rnn", "head"),
                                                       ("explode-lstm-fp32", "cell", "head")])
 def test_the_float32_reference_grows_in_the_same_module(refs, ref, module, other):
+    # an exploding run is chaotic: how far it grows by step 2 or 5 depends on the CPU's kernels
+    # (ATEN_CPU_CAPABILITY default/avx2/avx512 give 5x to 6000x for the LSTM cell), so the
+    # bounds hold with room on every one of them: it grows, and far above the readout's
     norms = [s["norms"] for s in refs[ref]["steps"]]
-    assert max(n[module] for n in norms) >= 100 * min(n[module] for n in norms[:2])
+    assert max(n[module] for n in norms) >= 3 * min(n[module] for n in norms[:2])
     assert max(n[module] for n in norms) > 10 * max(n[other] for n in norms)
 
 
