@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
-from .errors import NanhuntError
-from .formats import FORMATS, get_format
+from nanhunt._version import __version__
+from nanhunt.errors import NanhuntError
+from nanhunt.formats import FORMATS, get_format
 
 if TYPE_CHECKING:
-    from .capture import Hunt, Sentinel, StopRun, sentinel, watch
-    from .precision import audit
+    from nanhunt.capture import Hunt, Sentinel, StopRun, sentinel, watch
+    from nanhunt.precision import audit
 
 __all__ = [
     "FORMATS",

@@ -6,7 +6,7 @@ import os
 import sys
 
 try:  # a Ctrl-C while nanhunt itself loads: one line and 130, as later on
-    from .cli import entry
+    from nanhunt.cli.main import entry
 
     entry()
 except KeyboardInterrupt:

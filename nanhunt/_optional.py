@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from .errors import NanhuntError
+from nanhunt.errors import NanhuntError
 
 __all__ = ["EXTRAS", "require"]
 

@@ -28,9 +28,6 @@ import copy
 import dataclasses
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 import zlib
 from collections.abc import Callable, Iterable
@@ -38,18 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import NanhuntError
-from .trace import PHASES, Failure, RankSummary, Trace
+from nanhunt.errors import NanhuntError
+from nanhunt.trace import PHASES, Failure, RankSummary, Trace
 
 __all__ = [
     "RANK_TIMEOUT_ENV",
     "RankContext",
     "RankResult",
-    "launch",
     "merge_rank_files",
     "merge_traces",
     "read_rank_file",
-    "torchrun_command",
 ]
 
 #: Environment variable: seconds nanhunt waits for other ranks (votes and traces).
@@ -524,7 +519,7 @@ class RankContext:
             run_id=self.run_id,
         )
         payload = _payload(own, self.world_size)
-        from .report.files import atomic_write_text
+        from nanhunt.report.files import atomic_write_text
 
         path = rank_file(out_dir, self.rank)
         try:
@@ -553,7 +548,7 @@ class RankContext:
         ``nanhunt diagnose --nproc-per-node``, rank 0 too exits 0 after a problem every rank
         reported (the launcher reads the code from the report), which keeps torchrun's failure
         summary from burying nanhunt's."""
-        from .cli_args import EXIT_PROBLEM
+        from nanhunt.errors import EXIT_PROBLEM
 
         if not self.distributed or code != EXIT_PROBLEM or trace.run.status in _ENDED:
             return code
@@ -608,110 +603,3 @@ class RankContext:
 
 
 # ----------------------------------------------------------------------------- the launcher
-
-
-def _without_nproc(options: list[str]) -> list[str]:
-    out, skip = [], False
-    for tok in options:
-        if skip:
-            skip = False
-        elif tok == "--nproc-per-node":
-            skip = True
-        elif not tok.startswith("--nproc-per-node="):
-            out.append(tok)
-    return out
-
-
-def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
-    """The torch.distributed launcher command that runs ``nanhunt diagnose argv`` on ``nproc``
-    processes (``--nproc-per-node`` taken out of our options, the script's own left alone).
-
-    >>> torchrun_command(2, ["--nproc-per-node", "2", "-q", "t.py", "--nproc-per-node", "1"])[2:]
-    ['torch.distributed.run', '--standalone', '--nproc-per-node=2', '-m', 'nanhunt', 'diagnose', \
-'-q', 't.py', '--nproc-per-node', '1']
-    """
-    from .cli_args import split_argv
-
-    ours, script, module, script_args = split_argv(argv)
-    if module is not None:
-        target = ["-m", module]
-    else:  # a script named like an option needs the "--"
-        target = ["--", str(script)] if str(script).startswith("-") else [str(script)]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "nanhunt",
-        "diagnose",
-        *_without_nproc(ours),
-        *target,
-        *script_args,
-    ]
-
-
-def launch(nproc: int, argv: list[str]) -> int:
-    """``nanhunt diagnose --nproc-per-node N ...``: the same run under torch.distributed's own
-    launcher (``python -m torch.distributed.run --standalone``); the exit code follows the merged
-    report that rank 0 writes."""
-    from .cli_args import (
-        EXIT_INTERRUPTED,
-        EXIT_PROBLEM,
-        EXIT_SCRIPT_FAILED,
-        diagnose_parser,
-        split_argv,
-    )
-
-    opts = diagnose_parser().parse_args(split_argv(argv)[0])
-    cmd = torchrun_command(nproc, argv)
-    out_dir = Path(opts.out)
-    started = time.time()
-    interrupted = False
-    proc = subprocess.Popen(cmd, env={**os.environ, _LAUNCHER_ENV: "1"})
-    try:
-        rc = proc.wait()
-    except KeyboardInterrupt:  # torchrun got the SIGINT too and stops its workers
-        interrupted = True
-        try:
-            rc = proc.wait(timeout=60)
-        except (KeyboardInterrupt, subprocess.TimeoutExpired):
-            proc.send_signal(signal.SIGTERM)
-            rc = proc.wait()
-    trace = _read_report(out_dir / "report.json", newer_than=started - 1)
-    if trace is None:
-        trace = merge_rank_files(out_dir, nproc, newer_than=started - 1)
-        if trace is None:
-            print(f"nanhunt: the ranks wrote no report (torchrun exited {rc})", file=sys.stderr)
-            return EXIT_INTERRUPTED if interrupted else (rc or EXIT_SCRIPT_FAILED)
-        trace.notes.append("rank 0 wrote no merged report; the launcher merged the rank files")
-        _write_fallback(trace, out_dir, quiet=opts.quiet, show_all=opts.show_all)
-    if trace.problem or (opts.strict and trace.warnings):
-        return EXIT_PROBLEM
-    if interrupted or trace.run.status == "interrupted":
-        return EXIT_INTERRUPTED
-    if trace.run.status == "crashed":
-        return EXIT_SCRIPT_FAILED
-    return rc
-
-
-def _read_report(path: Path, *, newer_than: float) -> Trace | None:
-    try:
-        if path.stat().st_mtime < newer_than:
-            return None
-        return Trace.from_json(path.read_text(encoding="utf-8"))
-    except (OSError, NanhuntError):
-        return None
-
-
-def _write_fallback(trace: Trace, out_dir: Path, *, quiet: bool, show_all: bool) -> None:
-    from .report import render_terminal, write_reports
-
-    paths = write_reports(trace, out_dir)
-    if not quiet:
-        from rich.console import Console
-
-        console = Console(stderr=True, highlight=False)
-        render_terminal(trace, console, show_all=show_all)
-        console.print("reports: " + ", ".join(str(p) for p in paths.values()), soft_wrap=True)

@@ -20,7 +20,8 @@ A spec names one change a user could make to their training script::
     fp32-master                 float32 master weights for a half-precision model
 
 PATTERN is a glob over qualified module names (``fnmatch``: ``*`` also spans dots). The snippet
-(:func:`snippet`) is the same change written as code the user pastes; nanhunt.fixes installs the
+(:func:`snippet`) is the same change written as code the user pastes; nanhunt.experiment.fixes
+installs the
 spec from outside the script, and tests check that both give the same losses.
 
 >>> str(parse_fix("fp32:encoder.blocks.*.ffn.wo..norm"))
@@ -38,7 +39,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from .errors import NanhuntError
+from nanhunt.errors import NanhuntError
 
 __all__ = [
     "FLOOR_OPS",

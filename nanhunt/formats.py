@@ -89,7 +89,7 @@ def get_format(name: str) -> NumberFormat:
     try:
         return FORMATS[key]
     except KeyError:
-        from .errors import NanhuntError
+        from nanhunt.errors import NanhuntError
 
         raise NanhuntError(
             f"unknown target format {name!r} (choose from {', '.join(FORMATS)})"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .trace import RunInfo, Trace
+from nanhunt.trace import RunInfo, Trace
 
 __all__ = ["analyse", "analyse_and_report"]
 
@@ -29,7 +29,7 @@ def _guard(trace: Trace, stage: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
 def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
             out_dir: Path | None = None, optimizer_snapshot: Any = None) -> Trace:
     """Fill the op-level zoom, diagnosis, recommendations and their verification."""
-    from . import zoom
+    from nanhunt.replay import zoom
 
     if optimizer_snapshot is not None:
         _guard(trace, "optimizer replay", zoom.zoom_optimizer, trace, optimizer_snapshot)
@@ -41,8 +41,8 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
             if name:
                 trace.snapshot = "snapshot.pt"
     try:
-        from .advise import advise
-        from .diagnose import diagnose
+        from nanhunt.analyse.advise import advise
+        from nanhunt.analyse.diagnose import diagnose
     except ImportError:  # pragma: no cover - during development only
         return trace
     _guard(trace, "diagnosis", diagnose, trace)
@@ -50,7 +50,7 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
     if trace.diagnosis is not None and trace.diagnosis.severity == "error":
         trace.problem = True  # e.g. a misused GradScaler before anything went non-finite
     _guard(trace, "advice", advise, trace)
-    from .remedies import attach_fixes
+    from nanhunt.analyse.remedies import attach_fixes
 
     _guard(trace, "fix specs", attach_fixes, trace)
     if snapshot is not None:
@@ -92,14 +92,15 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
                        rerun: Any = None, ctrl_c: Any = None,
                        amend: Callable[[Trace], Any] | None = None) -> Trace:
     """Build the trace from a finished session, analyse it, verify its recommendations by
-    re-running the script (``rerun``: a :class:`nanhunt.verify.RerunConfig`) and write every
+    re-running the script (``rerun``: a :class:`nanhunt.experiment.verify.RerunConfig`) and write
+    every
     report form.
 
     ``ctrl_c`` (the CLI's SIGINT handler: ``pressed``, ``raising``) lets a Ctrl-C cut the
     analysis or the verification short; the report is written and KeyboardInterrupt raised
     after it. ``amend(trace)`` adds to the analysed trace before the reports are written (a
     callback's precision audit; rank 0's only, after the ranks are merged)."""
-    from .report import render_terminal, write_reports
+    from nanhunt.report import render_terminal, write_reports
 
     try:
         trace = hunt.trace(run)
@@ -138,7 +139,7 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
     if amend is not None:
         _guard(trace, "adding the precision audit", amend, trace)
     if rerun is not None and not (ctrl_c is not None and ctrl_c.pressed):
-        from .verify import verify_by_rerun
+        from nanhunt.experiment.verify import verify_by_rerun
 
         if ctrl_c is not None:
             ctrl_c.raising = True  # Ctrl-C stops verification; it keeps what it found
@@ -169,7 +170,7 @@ def _write(trace: Trace, out_dir: Path, write_reports: Any,
         # last resort: the JSON alone, so that nothing is lost
         print(f"nanhunt: writing the reports failed ({type(exc).__name__}: {exc}); "
               "writing report.json only", file=sys.stderr)
-        from .report.files import atomic_write_text
+        from nanhunt.report.files import atomic_write_text
 
         trace.notes.append(f"rendering failed: {type(exc).__name__}: {exc}")
         path = out_dir / "report.json"

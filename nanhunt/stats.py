@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .formats import NumberFormat
-from .trace import TensorStats
+from nanhunt.formats import NumberFormat
+from nanhunt.trace import TensorStats
 
 __all__ = ["ROW_LEN", "decode", "summarizable", "summarize"]
 

@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import NanhuntError
+from nanhunt.errors import NanhuntError
 
 __all__ = [
     "PHASES",

@@ -25,9 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 # the old module's names stay importable from here (tests, benchmarks, other helpers)
-from .. import stats as _stats  # noqa: F401
-from . import session as _session
-from ._util import (  # noqa: F401
+from nanhunt import stats as _stats  # noqa: F401
+from nanhunt.capture import session as _session
+from nanhunt.capture._util import (  # noqa: F401
     _DROPOUT,
     _MAX_ANCESTOR_COPY,
     _WRAPPERS,
@@ -46,10 +46,10 @@ from ._util import (  # noqa: F401
     map_tensors,
     tensor_leaves,
 )
-from .recorder import _HIST_OFFSET, HISTORY  # noqa: F401
-from .sentinel import Sentinel, sentinel
-from .session import _LOCK, Hunt, Session, StopRun, watch  # noqa: F401
-from .state import (  # noqa: F401
+from nanhunt.capture.recorder import _HIST_OFFSET, HISTORY  # noqa: F401
+from nanhunt.capture.sentinel import Sentinel, sentinel
+from nanhunt.capture.session import _LOCK, Hunt, Session, StopRun, watch  # noqa: F401
+from nanhunt.capture.state import (  # noqa: F401
     Snapshot,
     StepState,
     _Call,

@@ -7,13 +7,14 @@ import dataclasses
 import functools
 import linecache
 import math
-import os
 import sys
 import sysconfig
 from typing import Any
 
 import torch
 from torch import nn
+
+from nanhunt._paths import PACKAGE_DIR
 
 
 def _safe(method: Any) -> Any:
@@ -174,7 +175,7 @@ def _variable_name(obj: object) -> str | None:
 
 
 # our frames are skipped when looking for the user's variables: the whole nanhunt package
-_THIS_PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__))
+_THIS_PACKAGE_DIR = PACKAGE_DIR
 _TORCH_DIR = torch.__file__.rsplit("/", 1)[0]
 #: where installed packages live (frameworks included): not the user's code
 _LIBRARY_DIRS = tuple(sorted({p for p in (sysconfig.get_paths().get("purelib"),

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from .. import stats as _stats
-from ._util import _safe, _skip
-from .state import Part, _Meta
+from nanhunt import stats as _stats
+from nanhunt.capture._util import _safe, _skip
+from nanhunt.capture.state import Part, _Meta
 
 #: autograd nodes walked per backward to find down-casts (a bound on the cost per step)
 _MAX_GRAPH_NODES = 50_000

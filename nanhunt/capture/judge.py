@@ -5,15 +5,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..locate import Rec, find_origin
-from ..trace import Failure, StepRecord, TensorStats
-from .state import _Meta, _StepData
+from nanhunt.capture.locate import Rec, find_origin
+from nanhunt.capture.state import _Meta, _StepData
+from nanhunt.trace import Failure, StepRecord, TensorStats
 
 
 class Judge:
     """Reads each decoded step once (the recorder calls :meth:`judge`): a non-finite loss,
     parameter or applied gradient, a non-finite root output, or a collapsing loss scale is a
-    problem; the first one is located (:func:`nanhunt.locate.find_origin`) and handed to
+    problem; the first one is located (:func:`nanhunt.capture.locate.find_origin`) and handed to
     ``on_failure(step_data, origin_step_data)``, which keeps the evidence and asks to stop.
     Non-finite values a later module absorbed, and GradScaler's skips, become facts."""
 

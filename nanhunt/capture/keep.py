@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn.modules import module as _M
 from torch.optim import optimizer as _O
 
-from .. import stats as _stats
-from ._util import (
+from nanhunt import stats as _stats
+from nanhunt.capture._util import (
     _autocast_state,
     _call_leaves,
     _foreach_norm,
@@ -24,8 +24,8 @@ from ._util import (
     _skip,
     _version,
 )
-from .loss import LossObserver
-from .state import Part
+from nanhunt.capture.loss import LossObserver
+from nanhunt.capture.state import Part
 
 
 @dataclass

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from .. import stats as _stats
-from ._util import _in_backward, patch
-from .state import Part, _Meta
+from nanhunt import stats as _stats
+from nanhunt.capture._util import _in_backward, patch
+from nanhunt.capture.state import Part, _Meta
 
 
 class LossObserver(Part):

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _M
 
-from .. import stats as _stats
-from ._util import (
+from nanhunt import stats as _stats
+from nanhunt.capture._util import (
     _DROPOUT,
     _autocast_state,
     _call_leaves,
@@ -20,7 +20,7 @@ from ._util import (
     _skip,
     _version,
 )
-from .state import Part, _Call, _Frame, _Meta
+from nanhunt.capture.state import Part, _Call, _Frame, _Meta
 
 
 class ModuleObserver(Part):

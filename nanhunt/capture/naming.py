@@ -8,8 +8,8 @@ from typing import Any
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._util import _owner_of, _unwrap, _variable_name
-from .state import _Frame
+from nanhunt.capture._util import _owner_of, _unwrap, _variable_name
+from nanhunt.capture.state import _Frame
 
 
 class Naming:

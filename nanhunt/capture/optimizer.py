@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch.optim import optimizer as _O
 
-from .. import stats as _stats
-from ..trace import OptimizerInfo
-from ._util import _foreach_amax, _foreach_norm, _safe, patch, user_frame
-from .state import OptimizerSnapshot, Part, _Meta
+from nanhunt import stats as _stats
+from nanhunt.capture._util import _foreach_amax, _foreach_norm, _safe, patch, user_frame
+from nanhunt.capture.state import OptimizerSnapshot, Part, _Meta
+from nanhunt.trace import OptimizerInfo
 
 #: parameter formats whose optimizer steps are copied before they run (to replay a failing one)
 _COPIED_DTYPES = (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)

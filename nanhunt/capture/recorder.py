@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import stats as _stats
-from ..formats import NumberFormat
-from ..trace import (
+from nanhunt import stats as _stats
+from nanhunt.capture.state import _LayerAcc, _merge_rows, _Meta, _StepData
+from nanhunt.formats import NumberFormat
+from nanhunt.trace import (
     CastCounts,
     LayerStats,
     LayerStep,
@@ -22,7 +23,6 @@ from ..trace import (
     TensorRecord,
     TensorStats,
 )
-from .state import _LayerAcc, _merge_rows, _Meta, _StepData
 
 _HIST_OFFSET = 320  # gradient histograms span binades -320..319 (room to unscale)
 HISTORY = 10_000  # steps of timeline and per-layer history kept (memory stays bounded)

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ._util import patch
-from .state import Part
+from nanhunt.capture._util import patch
+from nanhunt.capture.state import Part
 
 
 class ScalerObserver(Part):

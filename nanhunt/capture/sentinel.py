@@ -22,16 +22,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import stats as _stats
-from ..trace import Failure, RunInfo, Trace
-from ._util import _foreach_amax, _version
-from .autograd import AutogradObserver
-from .keep import GradCheck, KeptLoss, RootWatch, StepKeep, grad_rows
-from .modules import ModuleObserver
-from .optimizer import OptimizerObserver
-from .replay import Replay, replay_step
-from .session import Session, StopRun
-from .state import _StepData
+from nanhunt import stats as _stats
+from nanhunt.capture._util import _foreach_amax, _version
+from nanhunt.capture.autograd import AutogradObserver
+from nanhunt.capture.keep import GradCheck, KeptLoss, RootWatch, StepKeep, grad_rows
+from nanhunt.capture.modules import ModuleObserver
+from nanhunt.capture.optimizer import OptimizerObserver
+from nanhunt.capture.session import Session, StopRun
+from nanhunt.capture.state import _StepData
+from nanhunt.replay.step import Replay, replay_step
+from nanhunt.trace import Failure, RunInfo, Trace
 
 SPIKE_WINDOW = 50  # finite losses of recent steps a spike is judged against
 SPIKE_MIN = 20  # steps of history before a spike can be called
@@ -409,7 +409,7 @@ class Sentinel(Session):
             self._stop_pending = True
 
     def _write_report(self) -> None:
-        from ..pipeline import analyse_and_report
+        from nanhunt.pipeline import analyse_and_report
 
         assert self.out is not None
         self.out.mkdir(parents=True, exist_ok=True)

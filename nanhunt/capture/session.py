@@ -5,7 +5,8 @@ Data flows one way: the observers (:mod:`.modules`, :mod:`.autograd`, :mod:`.los
 :mod:`.optimizer`, :mod:`.scaler`) summarise tensors on their own device (:mod:`nanhunt.stats`)
 and queue the rows in the :class:`~.recorder.Recorder`; once per step the queued rows cross to
 the host in one transfer; the host side turns them into records, per-module ranges and step
-records, and the :class:`~.judge.Judge` asks :mod:`nanhunt.locate` for the origin when a step
+records, and the :class:`~.judge.Judge` asks :mod:`nanhunt.capture.locate` for the origin when a
+step
 has a problem.
 """
 
@@ -25,9 +26,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import NanhuntError
-from ..formats import NumberFormat, get_format
-from ..trace import (
+from nanhunt.capture._util import _autocast_state, user_frame
+from nanhunt.capture.autograd import AutogradObserver
+from nanhunt.capture.judge import Judge
+from nanhunt.capture.loss import LossObserver
+from nanhunt.capture.modules import ModuleObserver
+from nanhunt.capture.naming import Naming
+from nanhunt.capture.optimizer import OptimizerObserver
+from nanhunt.capture.recorder import Recorder
+from nanhunt.capture.scaler import ScalerObserver
+from nanhunt.capture.snapshot import Snapshots
+from nanhunt.capture.state import OptimizerSnapshot, Snapshot, StepState, _StepData
+from nanhunt.errors import NanhuntError
+from nanhunt.formats import NumberFormat, get_format
+from nanhunt.trace import (
     Crash,
     Failure,
     LayerStats,
@@ -39,17 +51,6 @@ from ..trace import (
     TensorRecord,
     Trace,
 )
-from ._util import _autocast_state, user_frame
-from .autograd import AutogradObserver
-from .judge import Judge
-from .loss import LossObserver
-from .modules import ModuleObserver
-from .naming import Naming
-from .optimizer import OptimizerObserver
-from .recorder import Recorder
-from .scaler import ScalerObserver
-from .snapshot import Snapshots
-from .state import OptimizerSnapshot, Snapshot, StepState, _StepData
 
 _LOW = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 

@@ -7,9 +7,15 @@ import inspect
 
 import torch
 
-from .. import stats as _stats
-from ._util import _MAX_ANCESTOR_COPY, _call_leaves, _clone_tree, _leaves, map_tensors
-from .state import Part, Snapshot, _Call, _StepData
+from nanhunt import stats as _stats
+from nanhunt.capture._util import (
+    _MAX_ANCESTOR_COPY,
+    _call_leaves,
+    _clone_tree,
+    _leaves,
+    map_tensors,
+)
+from nanhunt.capture.state import Part, Snapshot, _Call, _StepData
 
 
 class Snapshots(Part):
@@ -106,7 +112,7 @@ class Snapshots(Part):
 
     @staticmethod
     def _replay_backward(call: _Call, grad_outputs: list) -> bool | None:
-        # (not nanhunt.zoom.replay: zoom builds on capture, and this runs inside the session,
+        # (not nanhunt.replay.zoom.replay: zoom builds on capture, and this runs inside the session,
         # on the live call, needing only whether the result is finite)
         module = copy.deepcopy(call.module)
         for p in module.parameters():

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._util import _version
+from nanhunt.capture._util import _version
 
 
 @dataclass

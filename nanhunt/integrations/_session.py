@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import NanhuntError
+from nanhunt.errors import NanhuntError
 
 __all__ = ["CallbackSession"]
 
@@ -91,7 +91,7 @@ class CallbackSession:
         if sample_every < 1 or keep_steps < 1:
             raise NanhuntError("sample_every and keep_steps must be at least 1")
         if target is not None:
-            from ..formats import get_format
+            from nanhunt.formats import get_format
 
             target = get_format(target).name  # a bad name fails here, not mid-training
         if audit_steps < 1 or audit_warmup < 0:
@@ -99,7 +99,7 @@ class CallbackSession:
         self.audit_targets: list[str] | None = None
         self.auditing = bool(audit)
         if self.auditing and audit is not True:
-            from ..precision import parse_targets
+            from nanhunt.precision import parse_targets
 
             self.audit_targets = parse_targets(audit)  # type: ignore[arg-type]
         self.audit_steps, self.audit_warmup = audit_steps, audit_warmup
@@ -142,8 +142,8 @@ class CallbackSession:
         that raised (a framework without an exception hook) is finished first."""
         import torch
 
-        from ..capture import Hunt
-        from ..distributed import RankContext
+        from nanhunt.capture import Hunt
+        from nanhunt.distributed import RankContext
 
         if self.hunt is not None:
             self.finish("crashed", error="training ended without its train-end hook")
@@ -186,7 +186,7 @@ class CallbackSession:
         self.pause()  # traced inside training steps only (not validation, logging, saving)
 
     def _start_audit(self) -> None:
-        from ..precision import AuditSession
+        from nanhunt.precision import AuditSession
 
         # started after the Hunt, so that its Tensor.backward wrapper runs first and the Hunt
         # is paused for the replays (quiet); stopped before it (the wrappers unwind in order)
@@ -215,7 +215,7 @@ class CallbackSession:
                 hunt._active = True
 
     def _attach_audit(self, audit: Any, trace: Any) -> None:
-        from ..precision import attach
+        from nanhunt.precision import attach
 
         attach(trace, audit)
 
@@ -272,7 +272,7 @@ class CallbackSession:
         run.status = status
         run.error = error
         run.finished = _now()
-        from ..pipeline import analyse_and_report
+        from nanhunt.pipeline import analyse_and_report
 
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -292,7 +292,7 @@ class CallbackSession:
             return trace
         self._summarise(trace)
         if self.tb_dir is not None:
-            from ..report.tensorboard import export_tensorboard
+            from nanhunt.report.tensorboard import export_tensorboard
 
             try:
                 n = export_tensorboard(trace, self.tb_dir)
@@ -306,8 +306,8 @@ class CallbackSession:
             self.finish("crashed", error="the process ended during training")
 
     def _summarise(self, trace: Any) -> None:
-        from ..report import render_terminal
-        from ..report.files import REPORT_FORMATS
+        from nanhunt.report import render_terminal
+        from nanhunt.report.files import REPORT_FORMATS
 
         if not self.quiet:
             from rich.console import Console
@@ -326,7 +326,7 @@ class CallbackSession:
 
 def _sentinel_class() -> Any:
     try:
-        from ..capture import Sentinel
+        from nanhunt.capture import Sentinel
     except ImportError:
         return None
     return Sentinel
@@ -337,8 +337,8 @@ def _now() -> str:
 
 
 def _run_info(torch_version: str, framework: str) -> Any:
-    from .._version import __version__
-    from ..trace import RunInfo
+    from nanhunt._version import __version__
+    from nanhunt.trace import RunInfo
 
     return RunInfo(
         command=list(sys.argv),

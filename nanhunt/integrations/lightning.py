@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .._optional import require
-from ._session import CallbackSession, precision_target
+from nanhunt._optional import require
+from nanhunt.integrations._session import CallbackSession, precision_target
 
 require("lightning")
 

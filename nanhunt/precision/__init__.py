@@ -28,16 +28,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._version import __version__
-from ..errors import NanhuntError
-from ..trace import RunInfo, Trace
-from .command import parse_targets
+from nanhunt._version import __version__
+from nanhunt.errors import NanhuntError
+from nanhunt.trace import RunInfo, Trace
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from ._session import AuditSession
+    from nanhunt.precision._session import AuditSession
 
 __all__ = ["AuditSession", "attach", "audit", "build_trace", "parse_targets"]
 
@@ -45,7 +44,7 @@ __all__ = ["AuditSession", "attach", "audit", "build_trace", "parse_targets"]
 def __getattr__(name: str) -> Any:
     # torch is imported on first use: `nanhunt audit --help` and usage errors stay torch-free
     if name == "AuditSession":
-        from ._session import AuditSession
+        from nanhunt.precision._session import AuditSession
 
         return AuditSession
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -106,9 +105,9 @@ def audit(
     """
     import torch
 
-    from ._session import AuditSession
-    from ._state import module_state_kept
-    from ._tape import rng_kept
+    from nanhunt.precision._session import AuditSession
+    from nanhunt.precision._state import module_state_kept
+    from nanhunt.precision._tape import rng_kept
 
     if steps < 1:
         raise NanhuntError("steps must be at least 1")
@@ -140,7 +139,28 @@ def audit(
     run.finished = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     trace = build_trace(session, run)
     if out is not None:
-        from ..report import write_reports
+        from nanhunt.report import write_reports
 
         write_reports(trace, out)
     return trace
+
+
+def parse_targets(text: str | list[str] | None) -> list[str] | None:
+    """``"float16,bf16"`` -> ``["float16", "bfloat16"]`` (None: the run's own format)."""
+    from nanhunt.formats import get_format
+
+    if text is None:
+        return None
+    items = text.split(",") if isinstance(text, str) else list(text)
+    names = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        fmt = get_format(item)
+        if fmt.name == "float32":
+            raise NanhuntError("--target float32: the audit compares a format against float32")
+        if fmt.name not in names:
+            names.append(fmt.name)
+    if not names:
+        raise NanhuntError("--target needs at least one format")
+    return names

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..capture.naming import Naming
-from ..formats import get_format
-from ..trace import PrecisionAudit, PrecisionLayer, PrecisionLoss
-from . import rank
-from ._observe import Measured, Observer, Plan, energies, is_gemm, round_to
-from ._state import ModuleState, module_state_kept
-from ._tape import Entry, Tape, rng_kept
+from nanhunt.analyse import rank
+from nanhunt.capture.naming import Naming
+from nanhunt.formats import get_format
+from nanhunt.precision._observe import Measured, Observer, Plan, energies, is_gemm, round_to
+from nanhunt.precision._state import ModuleState, module_state_kept
+from nanhunt.precision._tape import Entry, Tape, rng_kept
+from nanhunt.trace import PrecisionAudit, PrecisionLayer, PrecisionLoss
 
 __all__ = ["Auditor"]
 
@@ -399,6 +399,6 @@ def _device_kind(entries: list[Entry]) -> str:
 
 
 def raise_bad(message: str) -> None:
-    from ..errors import NanhuntError
+    from nanhunt.errors import NanhuntError
 
     raise NanhuntError(message)

@@ -42,10 +42,10 @@ from torch.nn.modules import module as _M
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..capture._util import _in_backward, _skip
-from ..formats import NumberFormat
-from ._state import ModuleState, rebind
-from ._tape import cast_floating, rng_state, set_rng_state
+from nanhunt.capture._util import _in_backward, _skip
+from nanhunt.formats import NumberFormat
+from nanhunt.precision._state import ModuleState, rebind
+from nanhunt.precision._tape import cast_floating, rng_state, set_rng_state
 
 __all__ = ["Observer", "Plan", "energies", "round_to"]
 

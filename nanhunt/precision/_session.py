@@ -20,11 +20,11 @@ from torch import nn
 from torch.optim import optimizer as _O
 from torch.overrides import TorchFunctionMode
 
-from ..errors import NanhuntError
-from ..trace import PrecisionAudit, Recommendation
-from . import rank
-from ._audit import Auditor
-from ._tape import call_entry, rng_state
+from nanhunt.analyse import rank
+from nanhunt.errors import NanhuntError
+from nanhunt.precision._audit import Auditor
+from nanhunt.precision._tape import call_entry, rng_state
+from nanhunt.trace import PrecisionAudit, Recommendation
 
 __all__ = ["AuditSession"]
 

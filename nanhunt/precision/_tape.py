@@ -22,7 +22,7 @@ import torch
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._state import rebind
+from nanhunt.precision._state import rebind
 
 __all__ = ["Entry", "Tape", "cast_floating", "cuda_devices", "rng_kept", "rng_state",
            "set_rng_state"]

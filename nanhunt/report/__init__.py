@@ -6,9 +6,9 @@
 
 from __future__ import annotations
 
-from .files import atomic_write_bytes, atomic_write_text, render_text, write_reports
-from .html import render_html
-from .terminal import render_terminal
+from nanhunt.report.files import atomic_write_bytes, atomic_write_text, render_text, write_reports
+from nanhunt.report.html import render_html
+from nanhunt.report.terminal import render_terminal
 
 __all__ = [
     "atomic_write_bytes",

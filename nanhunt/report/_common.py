@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import NanhuntError
-from ..formats import NumberFormat, get_format
-from ..trace import Failure, Finding, LayerStats, RankSummary, StepRecord, TensorStats, Trace
+from nanhunt.errors import NanhuntError
+from nanhunt.formats import NumberFormat, get_format
+from nanhunt.trace import Failure, Finding, LayerStats, RankSummary, StepRecord, TensorStats, Trace
 
 #: Headroom (binades below the target max) under which a module is shown as at risk.
 WARN_HEADROOM = 2.0

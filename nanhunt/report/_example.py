@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from ..formats import get_format
-from ..trace import (
+from nanhunt.formats import get_format
+from nanhunt.trace import (
     Failure,
     Finding,
     LayerStats,

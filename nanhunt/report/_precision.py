@@ -15,9 +15,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ..precision.rank import JUMP_DB
-from ..trace import PrecisionAudit, PrecisionLayer, Trace
-from ._svg import MUTED, esc, n
+from nanhunt.analyse.rank import JUMP_DB
+from nanhunt.report._svg import MUTED, esc, n
+from nanhunt.trace import PrecisionAudit, PrecisionLayer, Trace
 
 __all__ = ["audit_panel", "html_card", "html_verdict", "is_audit", "sqnr_chart",
            "terminal_section"]

@@ -12,9 +12,9 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ..formats import NumberFormat
-from ..trace import Failure, LayerStats, TensorStats
-from ._common import fmt_compact, fmt_num, superscript
+from nanhunt.formats import NumberFormat
+from nanhunt.report._common import fmt_compact, fmt_num, superscript
+from nanhunt.trace import Failure, LayerStats, TensorStats
 
 # colours shared with the page's CSS
 FWD = "#2563eb"

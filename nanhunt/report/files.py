@@ -15,10 +15,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..errors import NanhuntError
-from ..trace import Trace
-from .html import render_html
-from .terminal import render_terminal
+from nanhunt.errors import NanhuntError
+from nanhunt.report.html import render_html
+from nanhunt.report.terminal import render_terminal
+from nanhunt.trace import Trace
 
 __all__ = [
     "REPORT_FORMATS",

@@ -13,11 +13,10 @@ import math
 import re
 from collections.abc import Sequence
 
-from .._version import __version__
-from ..formats import NumberFormat
-from ..trace import Failure, Finding, OpRecord, RankSummary, Recommendation, StepRecord, Trace
-from . import _precision, _svg
-from ._common import (
+from nanhunt._version import __version__
+from nanhunt.formats import NumberFormat
+from nanhunt.report import _precision, _svg
+from nanhunt.report._common import (
     HiddenSteps,
     bad_samples_text,
     check_detail,
@@ -43,7 +42,8 @@ from ._common import (
     verdict,
     verification_lines,
 )
-from ._svg import esc
+from nanhunt.report._svg import esc
+from nanhunt.trace import Failure, Finding, OpRecord, RankSummary, Recommendation, StepRecord, Trace
 
 __all__ = ["render_html"]
 

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import NanhuntError
-from ..formats import get_format
-from ..trace import TensorStats, Trace
+from nanhunt.errors import NanhuntError
+from nanhunt.formats import get_format
+from nanhunt.trace import TensorStats, Trace
 
 __all__ = ["export_tensorboard"]
 
@@ -38,7 +38,7 @@ class _Writer:
     """The tensorboard package's event file writer, with scalar and histogram helpers."""
 
     def __init__(self, logdir: Path) -> None:
-        from .._optional import require
+        from nanhunt._optional import require
 
         require("tensorboard")
         from tensorboard.compat.proto.event_pb2 import Event

@@ -17,10 +17,9 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ..formats import NumberFormat
-from ..trace import Failure, Finding, RankSummary, Recommendation, StepRecord, Trace
-from . import _precision
-from ._common import (
+from nanhunt.formats import NumberFormat
+from nanhunt.report import _precision
+from nanhunt.report._common import (
     HiddenSteps,
     ModuleRow,
     bad_samples_text,
@@ -50,6 +49,7 @@ from ._common import (
     verdict,
     verification_lines,
 )
+from nanhunt.trace import Failure, Finding, RankSummary, Recommendation, StepRecord, Trace
 
 __all__ = ["render_terminal"]
 

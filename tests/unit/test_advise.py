@@ -1,4 +1,5 @@
-"""nanhunt.advise: computed values and snippets on hand-built traces, and the pure arithmetic.
+"""nanhunt.analyse.advise: computed values and snippets on hand-built traces, and the pure
+arithmetic.
 
 The init_scale tests recompute the fractions by their own summation with DESIGN.md §3's float16
 limits written out (overflow e + k >= 16, flushed e + k < -24, subnormal -24 <= e + k < -14).
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from nanhunt.advise import (
+from nanhunt.analyse.advise import (
     _FP32_HELPER,
     advise,
     choose_init_scale,
@@ -22,7 +23,7 @@ from nanhunt.advise import (
     nice_ceil,
     suggest_eps,
 )
-from nanhunt.diagnose import diagnose
+from nanhunt.analyse.diagnose import diagnose
 from nanhunt.formats import get_format
 from nanhunt.trace import (
     Failure,

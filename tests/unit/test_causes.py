@@ -9,9 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanhunt.advise import advise
-from nanhunt.diagnose import diagnose
-from nanhunt.diagnose.causes import RangeConstant, find_constants, finfo_fix, rounded, scaler_error
+from nanhunt.analyse.advise import advise
+from nanhunt.analyse.diagnose import diagnose
+from nanhunt.analyse.diagnose.causes import (
+    RangeConstant,
+    find_constants,
+    finfo_fix,
+    rounded,
+    scaler_error,
+)
 from nanhunt.formats import get_format
 from nanhunt.trace import (
     Crash,

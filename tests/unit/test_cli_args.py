@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanhunt.cli import main, split_argv
+from nanhunt.cli.main import main, split_argv
 from nanhunt.errors import NanhuntError
 
 

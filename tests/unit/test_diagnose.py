@@ -1,4 +1,4 @@
-"""nanhunt.diagnose: the rules on hand-built traces, one scenario per kind and phase.
+"""nanhunt.analyse.diagnose: the rules on hand-built traces, one scenario per kind and phase.
 
 Expected numbers are computed here from the traces' own values (growth factors, headroom,
 fractions), with the format limits written out from DESIGN.md §1, not read from nanhunt.
@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-import nanhunt.diagnose as diag
-from nanhunt.diagnose import KINDS, PRECEDENCE, RULES, diagnose, module_pattern
+import nanhunt.analyse.diagnose as diag
+from nanhunt.analyse.diagnose import KINDS, PRECEDENCE, RULES, diagnose, module_pattern
 from nanhunt.trace import (
     Failure,
     LayerStats,

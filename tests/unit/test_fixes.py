@@ -1,7 +1,8 @@
 """Fixes installed from outside a script do what their snippet does when pasted into it.
 
 Each test runs a training script twice in this process: once unmodified with the fix installed
-(:func:`nanhunt.fixes.install`), once as a copy with the snippet applied by hand, as a user
+(:func:`nanhunt.experiment.fixes.install`), once as a copy with the snippet applied by hand, as a
+user
 would; the printed losses must be identical, and different from the unfixed run's (so the fix
 did something).
 """
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from nanhunt.errors import NanhuntError
-from nanhunt.fixes import FixMismatch, install
+from nanhunt.experiment.fixes import FixMismatch, install
 from nanhunt.fixspec import SnippetContext, parse_fix, snippet
 
 ROOT = Path(__file__).resolve().parents[2]

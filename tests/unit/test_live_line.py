@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from nanhunt.live import LiveLine
+from nanhunt.cli.live import LiveLine
 from nanhunt.trace import StepRecord
 
 CLEAR = "\r\x1b[2K"

@@ -28,7 +28,7 @@ def _python(code: str, blocked: tuple[str, ...] = ()) -> subprocess.CompletedPro
 
 def test_importing_nanhunt_imports_no_framework():
     out = _python("""
-        import sys, nanhunt, nanhunt.integrations, nanhunt.report, nanhunt.cli
+        import sys, nanhunt, nanhunt.integrations, nanhunt.report, nanhunt.cli.main
         print(sorted(m for m in ("lightning", "pytorch_lightning", "transformers", "accelerate",
                                  "tensorboard") if m in sys.modules))
     """)
@@ -60,7 +60,7 @@ def test_missing_tensorboard_is_one_cli_line(tmp_path):
     report.write_text(Trace().to_json())
     out = _python(f"""
         import sys
-        from nanhunt.cli import main
+        from nanhunt.cli.main import main
         sys.exit(main(["report", {str(report)!r}, "--tensorboard", {str(tmp_path / "tb")!r}]))
     """, blocked=("tensorboard",))
     assert out.returncode == 2

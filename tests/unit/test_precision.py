@@ -15,8 +15,8 @@ from torch import nn
 
 import nanhunt
 import nanhunt.precision
+from nanhunt.analyse import rank
 from nanhunt.formats import get_format
-from nanhunt.precision import rank
 from nanhunt.precision._observe import energies
 from nanhunt.trace import PrecisionAudit, PrecisionLayer, Trace
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import nanhunt
+from nanhunt.analyse import rank
 from nanhunt.formats import get_format
-from nanhunt.precision import rank
 from nanhunt.trace import PrecisionAudit, PrecisionLayer
 
 

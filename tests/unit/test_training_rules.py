@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from nanhunt.diagnose import diagnose
+from nanhunt.analyse.diagnose import diagnose
 from nanhunt.formats import get_format
 from nanhunt.report._common import shape_text, values_summary, verdict
 from nanhunt.trace import (

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nanhunt.remedies import attach_fixes, ladder, verify_order
+from nanhunt.analyse.remedies import attach_fixes, ladder, verify_order
+from nanhunt.experiment.verify import RerunConfig, judge, verify_by_rerun
 from nanhunt.trace import (
     Failure,
     Finding,
@@ -18,7 +19,6 @@ from nanhunt.trace import (
     TensorStats,
     Trace,
 )
-from nanhunt.verify import RerunConfig, judge, verify_by_rerun
 
 
 def _failure(step: int, module: str = "enc.blocks.1.wo") -> Failure:

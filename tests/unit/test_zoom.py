@@ -11,8 +11,8 @@ from rich.console import Console
 from torch import nn
 
 import nanhunt
-from nanhunt import zoom
 from nanhunt.pipeline import analyse
+from nanhunt.replay import zoom
 
 
 class LogLoss(nn.Module):

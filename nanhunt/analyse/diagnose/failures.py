@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ..trace import Finding, StepRecord, Trace
-from ._base import (
+from nanhunt.analyse.diagnose._base import (
     _NAN_OPS,
     _OVERFLOW_OPS,
     Context,
@@ -20,7 +19,7 @@ from ._base import (
     eps_in_format,
     rule,
 )
-from .classify import (
+from nanhunt.analyse.diagnose.classify import (
     _ADAM_EPS,
     _backward_class,
     _forward_class,
@@ -29,6 +28,8 @@ from .classify import (
     _where,
     failure_op,
 )
+from nanhunt.analyse.diagnose.shared import grad_site, short_source
+from nanhunt.trace import Finding, StepRecord, Trace
 
 # ----------------------------------------------------------------------------- error rules
 
@@ -314,7 +315,7 @@ def scaler_misuse(trace: Trace, ctx: Context) -> Iterator[Finding]:
         at = ""
         evidence = [f"seen at {len(steps)} step(s): {_span([(s.index, 0.0) for s in steps])}"]
         if call is not None and call.source:
-            at = f" ({call.source_line or 'the call'} at {_short_source(call.source)})"
+            at = f" ({call.source_line or 'the call'} at {short_source(call.source)})"
             evidence.insert(0, f"the call: {call.source}: {call.source_line or ''}".rstrip(": "))
         if scales:
             evidence.append(f"loss scale in effect: {', '.join(f'{x:g}' for x in scales[:4])}")
@@ -397,11 +398,9 @@ def _grown_past_the_format(ctx: Context, evidence: list[str], what: str,
     """Gradients that overflow the format at every loss scale after updates were applied:
     exploding gradients, named by the module whose own gradients grew most (``what`` says what
     GradScaler did about it)."""
-    from .growth import _grad_site  # registered after this module's rules
-
     f = ctx.failure
     assert f is not None
-    site = _grad_site(ctx) or (f.module, [])
+    site = grad_site(ctx) or (f.module, [])
     applied = [st for st in ctx.clean_steps() if _finite_pos(st.grad_norm)]
     evidence = list(evidence)
     if applied:
@@ -428,12 +427,6 @@ def _grown_past_the_format(ctx: Context, evidence: list[str], what: str,
         data={**data, "overflow": True, "spike": True,
               "from_step": applied[0].index if applied else f.step},
     )
-
-
-def _short_source(source: str) -> str:
-    path, _, line = source.rpartition(":")
-    name = path.replace("\\", "/").rsplit("/", 1)[-1]
-    return f"{name}:{line}" if path else source
 
 
 @rule(id="scale-collapse", kind="loss_scale", needs=("first_failure", "steps"))

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import session as _session
-from ._util import _call_leaves, _leaves, _version, map_tensors
-from .keep import StepKeep
-from .session import Hunt
+from nanhunt.capture import session as _session
+from nanhunt.capture._util import _call_leaves, _leaves, _version, map_tensors
+from nanhunt.capture.keep import StepKeep
+from nanhunt.capture.session import Hunt
 
 
 @dataclass

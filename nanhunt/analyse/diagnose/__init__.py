@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import math
 
-from ..trace import Finding, Trace
-from ._base import (
+from nanhunt.analyse.diagnose._base import (
     ALWAYS_PRIMARY,
     DEMOTED_SCORE,
     ERROR_SCORE,
@@ -41,7 +40,8 @@ from ._base import (
     rule,
     scale_fractions,
 )
-from .classify import _where, failure_op
+from nanhunt.analyse.diagnose.classify import _where, failure_op
+from nanhunt.trace import Finding, Trace
 
 __all__ = [
     "KINDS",
@@ -117,7 +117,7 @@ def diagnose(trace: Trace, *, strict: bool = False, thresholds: Thresholds | Non
     first) and capped at ``thresholds.max_warnings``. A rule that raises on a malformed trace
     leaves a line in ``trace.notes`` and the others still run; with ``strict`` the exception
     propagates.
-    ``trace.recommendations`` is left to :func:`nanhunt.advise.advise`.
+    ``trace.recommendations`` is left to :func:`nanhunt.analyse.advise.advise`.
     """
     ctx = Context(trace, thresholds)
     if _untraced_failure(ctx):
@@ -162,6 +162,6 @@ def diagnose(trace: Trace, *, strict: bool = False, thresholds: Thresholds | Non
 # the catalogue lists them): the phases' errors, growth, warnings, then causes outside the
 # failing module's arithmetic (the loop, crashes, vanished eps, unnormalised input)
 # isort: off
-from . import classify, failures, growth, risks  # noqa: E402,F401
-from . import causes  # noqa: E402,F401
+from nanhunt.analyse.diagnose import classify, failures, growth, risks  # noqa: E402,F401
+from nanhunt.analyse.diagnose import causes  # noqa: E402,F401
 # isort: on

@@ -4,7 +4,8 @@ The training loop (a crash GradScaler raises when it is called in the wrong orde
 that does not fit the tensor's format (``masked_fill(mask, -1e9)`` on float16), an eps that
 rounds to zero in the format it is added in (a hand-written norm's ``x + 1e-12``), and a batch
 far outside a normalised range whose first layer overflows. They register in
-:data:`nanhunt.diagnose.RULES` like every other rule; :mod:`nanhunt.diagnose` imports this
+:data:`nanhunt.analyse.diagnose.RULES` like every other rule;
+:mod:`nanhunt.analyse.diagnose` imports this
 module so that they are always there.
 
 >>> from nanhunt.formats import get_format
@@ -20,12 +21,17 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..errors import NanhuntError
-from ..formats import FORMATS, NumberFormat, get_format
-from ..trace import Crash, Failure, Finding, InputRange, OpRecord, Trace
-from ._base import Context, _finding, eps_in_format, is_norm_type, rule
-from .classify import _forward_class
-from .failures import _short_source
+from nanhunt.analyse.diagnose._base import Context, _finding, eps_in_format, is_norm_type, rule
+from nanhunt.analyse.diagnose.classify import _forward_class
+from nanhunt.analyse.diagnose.shared import (
+    op_name,
+    rounded,
+    short_source,
+    vanished_eps,
+)
+from nanhunt.errors import NanhuntError
+from nanhunt.formats import NumberFormat, get_format
+from nanhunt.trace import Crash, Failure, Finding, InputRange, Trace
 
 __all__ = [
     "SCALER_ERRORS",
@@ -36,21 +42,6 @@ __all__ = [
     "rounded",
     "scaler_error",
 ]
-
-
-def rounded(x: float, fmt: NumberFormat) -> float:
-    """``x`` rounded to the nearest value of ``fmt`` (ties to even), inf beyond its max."""
-    if x == 0 or not math.isfinite(x):
-        return x
-    a = abs(x)
-    if a < fmt.smallest_normal:
-        quantum = fmt.smallest_subnormal
-    else:
-        quantum = 2.0 ** (math.floor(math.log2(a)) - fmt.mantissa_bits)
-    r = round(a / quantum) * quantum  # Python's round() is round-half-to-even
-    if r > fmt.max:
-        r = math.inf
-    return math.copysign(r, x)
 
 
 def _becomes(x: float, fmt: NumberFormat) -> str:
@@ -109,7 +100,7 @@ def _at(crash: Crash) -> str:
     """`` at train.py:57 (`scaler.step(optimizer)`)``; the evidence has the full path."""
     if not crash.source:
         return ""
-    text = f" at {_short_source(crash.source)}"
+    text = f" at {short_source(crash.source)}"
     return text + (f" (`{crash.source_line}`)" if crash.source_line else "")
 
 
@@ -303,7 +294,7 @@ def _replayed_constant(ctx: Context) -> Iterator[Finding]:
     if f is None or f.phase != "forward":
         return
     op = next((o for o in ctx.trace.ops if o.first_nonfinite), None)
-    if op is None or _op_name(op.op) not in _FILLS:
+    if op is None or op_name(op.op) not in _FILLS:
         return
     fmt = ctx.format_of(op.dtype)
     big = [v for v in op.scalars if math.isfinite(v) and abs(v) > fmt.max]
@@ -312,17 +303,17 @@ def _replayed_constant(ctx: Context) -> Iterator[Finding]:
     source, _, line = (op.source or "").partition("  ")
     constants = find_constants(line, fmt) or [RangeConstant(big[0], f"{big[0]:g}")]
     c = constants[0]
-    at = f" ({line.strip()} at {_short_source(source)})" if line else ""
+    at = f" ({line.strip()} at {short_source(source)})" if line else ""
     where = f" in {f.module}" if f.module else ""
     yield _finding(
         "error",
         f"the constant {c.text}{at}{where} does not fit {fmt.name} (max {fmt.max:g}): torch "
-        f"turned it into {'-' if c.value < 0 else '+'}inf without an error (aten.{_op_name(op.op)}"
+        f"turned it into {'-' if c.value < 0 else '+'}inf without an error (aten.{op_name(op.op)}"
         "), and what follows of it is non-finite; use torch.finfo(dtype).min / .max, which fit "
         "every format",
-        [f"the replay of {f.module or 'the top level'} names aten.{_op_name(op.op)} called with "
+        [f"the replay of {f.module or 'the top level'} names aten.{op_name(op.op)} called with "
          f"{c.value:g} as the first op whose output is non-finite: "
-         f"{_short_source(source) if source else ''} {line.strip()}".rstrip(),
+         f"{short_source(source) if source else ''} {line.strip()}".rstrip(),
          f"{fmt.name} holds magnitudes up to {fmt.max:g} (torch.finfo(torch.{fmt.name}).max); "
          f"{abs(c.value):g} is {math.log2(abs(c.value) / fmt.max):.1f} binades beyond it"],
         phase="forward",
@@ -336,41 +327,6 @@ def _replayed_constant(ctx: Context) -> Iterator[Finding]:
 # ----------------------------------------------------------------------------- an eps that is 0
 
 #: ops that divide by, or take the root of, what an eps was added to
-_EPS_CONSUMERS = frozenset({"rsqrt", "sqrt", "div", "reciprocal", "pow", "addcdiv", "log"})
-_ADDS = frozenset({"add"})
-
-
-def _op_name(op: str) -> str:
-    parts = [p for p in op.replace("::", ".").split(".") if p not in ("aten", "default", "Tensor",
-                                                                     "Scalar", "out")]
-    return parts[0].rstrip("_") if parts else op
-
-
-@dataclass(frozen=True)
-class _VanishedEps:
-    add: OpRecord  # the op that added the eps
-    eps: float
-    fmt: NumberFormat
-    consumer: OpRecord  # the first non-finite op
-
-
-def vanished_eps(ops: list[OpRecord], phase: str) -> _VanishedEps | None:
-    """The first non-finite op of a replay divides by (or roots) a sum to which a positive
-    constant that is 0 in that op's format was added just before: an eps that vanished."""
-    first = next((o for o in ops if o.first_nonfinite and o.phase == phase), None)
-    if first is None or _op_name(first.op) not in _EPS_CONSUMERS:
-        return None
-    before = [o for o in ops if o.phase == phase and o.index < first.index]
-    for o in reversed(before[-12:]):
-        if _op_name(o.op) not in _ADDS:
-            continue
-        fmt = FORMATS.get(o.dtype)
-        if fmt is None or fmt.name == "float32":
-            continue
-        for s in o.scalars:
-            if 0 < s < fmt.smallest_normal and rounded(s, fmt) == 0:
-                return _VanishedEps(o, s, fmt, first)
-    return None
 
 
 @rule(id="norm-eps", kind="underflow", needs=("first_failure",))
@@ -386,9 +342,9 @@ def norm_eps(trace: Trace, ctx: Context) -> Iterator[Finding]:
     layer = ctx.layer(f.module)
     norm = layer is not None and is_norm_type(layer.type)
     src = v.add.source or ""
-    consumer = _op_name(v.consumer.op)
+    consumer = op_name(v.consumer.op)
     evidence = [
-        f"replaying {f.module}: aten.{_op_name(v.add.op)} added {v.eps:g} to a {v.fmt.name} "
+        f"replaying {f.module}: aten.{op_name(v.add.op)} added {v.eps:g} to a {v.fmt.name} "
         f"tensor{' at ' + src if src else ''}",
         f"{v.eps:g} becomes 0 in {v.fmt.name}: its smallest subnormal is "
         f"{v.fmt.smallest_subnormal:.3g} (torch.tensor({v.eps:g}, dtype=torch.{v.fmt.name}) == 0)",

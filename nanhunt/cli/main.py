@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._version import __version__
-from .cli_args import (
+from nanhunt._version import __version__
+from nanhunt.cli.args import (
     EXIT_CODES,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -27,7 +27,7 @@ from .cli_args import (
     diagnose_parser,
     split_argv,
 )
-from .errors import NanhuntError
+from nanhunt.errors import NanhuntError
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_SCRIPT_FAILED", "EXIT_USAGE",
            "entry", "main", "split_argv"]
@@ -80,7 +80,7 @@ class _CtrlC:
 
 
 def _run_info(argv: Sequence[str], script: str, torch_version: str) -> Any:
-    from .trace import RunInfo
+    from nanhunt.trace import RunInfo
 
     return RunInfo(
         command=["nanhunt", "diagnose", *argv],
@@ -110,16 +110,16 @@ def cmd_diagnose(argv: Sequence[str]) -> int:
         raise NanhuntError("--sample-every applies to --mode full only")
     if opts.verify < 0:
         raise NanhuntError("--verify must be 0 or more")
-    from .fixspec import parse_fix
+    from nanhunt.fixspec import parse_fix
 
     for spec in opts.fix:
         parse_fix(spec)  # a malformed spec is a usage error before anything runs
-    from .runner import Target, TargetMissing
+    from nanhunt.cli.runner import Target, TargetMissing
 
     target = Target(script=script, module=module, args=script_args)
     target.check()
     if opts.nproc_per_node:
-        from .distributed import launch
+        from nanhunt.cli.launch import launch
 
         return launch(opts.nproc_per_node, list(argv))
     out_dir = Path(opts.out)
@@ -151,11 +151,11 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
               ctrl_c: _CtrlC) -> int:
     import torch
 
-    from .capture import Hunt, StopRun
-    from .distributed import RankContext
-    from .fixes import FixMismatch, RunFixes
-    from .live import LiveLine
-    from .runner import print_user_traceback, run_target
+    from nanhunt.capture import Hunt, StopRun
+    from nanhunt.cli.live import LiveLine
+    from nanhunt.cli.runner import print_user_traceback, run_target
+    from nanhunt.distributed import RankContext
+    from nanhunt.experiment.fixes import FixMismatch, RunFixes
 
     ctx = RankContext.from_env(out_dir)
     live = LiveLine(enabled=not opts.quiet and ctx.rank == 0)
@@ -173,7 +173,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
               # distributed: every rank stops at the same step
               "on_step": ctx.step_hook(on_step)}
     if opts.mode == "sentinel":
-        from .capture import Sentinel
+        from nanhunt.capture import Sentinel
 
         # the reports are written below, after the run, as for full tracing
         hunt: Any = Sentinel(out=None, stop=not opts.keep_going, **common)
@@ -226,7 +226,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     elif outcome.status in ("crashed", "interrupted") and outcome.error is not None:
         run.error = f"{type(outcome.error).__name__}: {outcome.error}".strip().rstrip(":")
     if outcome.status == "crashed" and outcome.error is not None:
-        from .crash import describe_crash
+        from nanhunt.analyse.crash import describe_crash
 
         # where in the user's code it raised, and which module ran: rules name the cause
         hunt.crash = describe_crash(outcome.error, hunt.naming.released, step=hunt.step)
@@ -234,8 +234,8 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
             outcome.error.add_note(
                 f"nanhunt: first non-finite value at {hunt.first_failure.where()}")
         print_user_traceback(outcome.error)
-    from .pipeline import analyse_and_report
-    from .verify import RerunConfig
+    from nanhunt.experiment.verify import RerunConfig
+    from nanhunt.pipeline import analyse_and_report
 
     rerun = RerunConfig(
         script=target.script, module=target.module, args=list(target.args), cwd=os.getcwd(),
@@ -306,9 +306,9 @@ def cmd_report(argv: Sequence[str]) -> int:
                    help="also write the per-step series as TensorBoard events into LOGDIR "
                    "(needs nanhunt[tensorboard])")
     opts = p.parse_args(list(argv))
-    from .report import render_html, render_terminal
-    from .report.files import atomic_write_text
-    from .trace import Trace
+    from nanhunt.report import render_html, render_terminal
+    from nanhunt.report.files import atomic_write_text
+    from nanhunt.trace import Trace
 
     path = Path(opts.report)
     if path.is_dir():
@@ -325,7 +325,7 @@ def cmd_report(argv: Sequence[str]) -> int:
         atomic_write_text(Path(opts.html), render_html(trace))
         print(f"nanhunt: wrote {opts.html}", file=sys.stderr)
     if opts.tensorboard:
-        from .report.tensorboard import export_tensorboard
+        from nanhunt.report.tensorboard import export_tensorboard
 
         n = export_tensorboard(trace, opts.tensorboard)
         print(f"nanhunt: wrote {n} TensorBoard points to {opts.tensorboard}", file=sys.stderr)
@@ -340,7 +340,7 @@ def cmd_replay(argv: Sequence[str]) -> int:
                    default="as-captured", help="replay precision (default: %(default)s)")
     p.add_argument("--script", help="the training script that defines the module's class")
     opts = p.parse_args(list(argv))
-    from .zoom import load_snapshot, print_replay, replay
+    from nanhunt.replay.zoom import load_snapshot, print_replay, replay
 
     snap = load_snapshot(opts.snapshot, script=opts.script)
     result = replay(snap, dtype=None if opts.dtype == "as-captured" else opts.dtype)
@@ -361,7 +361,7 @@ def _console() -> Any:
 
 
 def cmd_audit(argv: Sequence[str]) -> int:
-    from .precision.command import cmd_audit as run
+    from nanhunt.cli.audit import cmd_audit as run
 
     return run(argv)
 

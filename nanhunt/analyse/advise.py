@@ -1,7 +1,7 @@
 """Advice: recommendations with computed values and snippets, from a diagnosed trace. Torch-free.
 
 :func:`advise` reads ``trace.diagnosis`` and ``trace.warnings`` (running
-:func:`~nanhunt.diagnose.diagnose` first when neither is set) and fills
+:func:`~nanhunt.analyse.diagnose.diagnose` first when neither is set) and fills
 ``trace.recommendations``: the diagnosis's recommendations first, most relevant first, then the
 warnings'. Values are computed from the trace (the gradient exponent histogram, the gradient-norm
 history, weight growth); snippets are Python the user pastes, naming modules by their qualified
@@ -24,7 +24,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .diagnose import (
+from nanhunt.analyse.diagnose import (
     Context,
     ScaleFractions,
     diagnose,
@@ -36,8 +36,8 @@ from .diagnose import (
     module_pattern,
     scale_fractions,
 )
-from .formats import NumberFormat, get_format
-from .trace import Finding, LayerStats, Recommendation, Trace
+from nanhunt.formats import NumberFormat, get_format
+from nanhunt.trace import Finding, LayerStats, Recommendation, Trace
 
 __all__ = [
     "ScaleChoice",
@@ -1000,7 +1000,7 @@ def _fp32_master_weights(trace: Trace, ctx: Context, finding: Finding) -> Recomm
 
 
 def _finfo_constant(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
-    from .diagnose.causes import RangeConstant, dtype_expr, find_constants, finfo_fix
+    from nanhunt.analyse.diagnose.causes import RangeConstant, dtype_expr, find_constants, finfo_fix
 
     d = finding.data
     line, value, text = d.get("source_line"), d.get("constant"), d.get("text")
@@ -1160,7 +1160,7 @@ _LOOP_BUGS = ("scaler-misuse", "scaler-crash", "range-constant")
 def advise(trace: Trace) -> None:
     """Fill ``trace.recommendations`` from the diagnosis and the warnings (not info findings).
 
-    Runs :func:`~nanhunt.diagnose.diagnose` first when the trace has neither a diagnosis nor
+    Runs :func:`~nanhunt.analyse.diagnose.diagnose` first when the trace has neither a diagnosis nor
     warnings. One recommendation per (type, module), the diagnosis's first.
     """
     if trace.diagnosis is None and not trace.warnings:

@@ -2,7 +2,8 @@
 
 Importing torch (and the ``torch._dynamo`` that the first optimizer pulls in) costs more than a
 small script's training steps; re-run verification runs the script up to ``--verify N`` times,
-so it starts this server once (``python -m nanhunt._forkserver``, single-threaded after its
+so it starts this server once (``python -m nanhunt.cli.forkserver``, single-threaded after
+its
 imports, so forking is safe) and asks it for each re-run. Protocol, one JSON line each way:
 ``{"ready"}`` once its imports are done, then for each request ``{"argv", "cwd", "env",
 "log"}`` the answers ``{"pid"}`` (forked) and
@@ -34,7 +35,7 @@ def _child(request: dict) -> int:
     os.dup2(devnull, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    from nanhunt.cli import main
+    from nanhunt.cli.main import main
 
     try:
         return main(request["argv"])
@@ -51,8 +52,9 @@ def _child(request: dict) -> int:
 def serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # what every re-run would import again; the first optimizer imports torch._dynamo
-    for name in ("torch", "torch._dynamo", "nanhunt.cli", "nanhunt.fixes", "nanhunt.pipeline",
-                 "nanhunt.sandbox"):
+    for name in ("torch", "torch._dynamo", "nanhunt.cli.main", "nanhunt.experiment.fixes",
+                 "nanhunt.pipeline",
+                 "nanhunt.experiment.sandbox"):
         with contextlib.suppress(Exception):
             importlib.import_module(name)
     out = sys.stdout

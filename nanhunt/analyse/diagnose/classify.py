@@ -9,9 +9,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from ..formats import FORMATS, NumberFormat
-from ..trace import Failure, Trace
-from ._base import (
+from nanhunt.analyse.diagnose._base import (
     _NAN_OPS,
     _OP_NOISE,
     _OVERFLOW_OPS,
@@ -32,6 +30,9 @@ from ._base import (
     is_norm_type,
     is_sentinel,
 )
+from nanhunt.analyse.diagnose.shared import vanished_eps
+from nanhunt.formats import FORMATS, NumberFormat
+from nanhunt.trace import Failure, Trace
 
 # ----------------------------------------------------------------------------- classification
 # Forward, backward and optimizer failures each have several explanations; one classifier per
@@ -426,8 +427,6 @@ def _classify_optimizer(ctx: Context) -> _Class:
                 f"{_pct(pg.underflow_fraction)} of {f.module}'s parameter gradients were below "
                 f"{fmt.name}'s smallest normal ({fmt.smallest_normal:.3g})"
             )
-        from .causes import vanished_eps  # causes builds on this module
-
         v = vanished_eps(ctx.trace.ops, "optimizer")
         if v is not None and v.add.zeros:
             evidence.append(

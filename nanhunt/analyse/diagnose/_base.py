@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeGuard
 
-from ..errors import NanhuntError
-from ..formats import FORMATS, NumberFormat, get_format
-from ..trace import Failure, Finding, LayerStats, StepRecord, TensorStats, Trace
+from nanhunt.errors import NanhuntError
+from nanhunt.formats import FORMATS, NumberFormat, get_format
+from nanhunt.trace import Failure, Finding, LayerStats, StepRecord, TensorStats, Trace
 
 KINDS = (
     "overflow",

@@ -14,11 +14,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from .trace import Crash
+from nanhunt._paths import PACKAGE_DIR
+from nanhunt.trace import Crash
 
 __all__ = ["describe_crash"]
 
-_OURS = str(Path(__file__).resolve().parent)
+_OURS = str(Path(PACKAGE_DIR).resolve())
 _HIDDEN = (_OURS, str(Path(runpy.__file__).resolve()), "<")
 
 

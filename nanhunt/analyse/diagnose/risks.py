@@ -8,8 +8,7 @@ import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ..trace import Finding, LayerStats, StepRecord, Trace
-from ._base import (
+from nanhunt.analyse.diagnose._base import (
     Context,
     _finding,
     _finite_pos,
@@ -20,6 +19,7 @@ from ._base import (
     rule,
     scale_fractions,
 )
+from nanhunt.trace import Finding, LayerStats, StepRecord, Trace
 
 # ----------------------------------------------------------------------------- warning rules
 

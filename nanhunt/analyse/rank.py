@@ -25,9 +25,9 @@ import math
 import statistics
 from collections.abc import Callable
 
-from ..advise import _FP32_HELPER
-from ..formats import NumberFormat, get_format
-from ..trace import PrecisionAudit, PrecisionLayer, Recommendation
+from nanhunt.analyse.advise import _FP32_HELPER
+from nanhunt.formats import NumberFormat, get_format
+from nanhunt.trace import PrecisionAudit, PrecisionLayer, Recommendation
 
 __all__ = [
     "EXPLAINED_DB",

@@ -10,10 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .._version import __version__
-from ..errors import NanhuntError
+from nanhunt._version import __version__
+from nanhunt.cli.args import split_argv
+from nanhunt.errors import NanhuntError
+from nanhunt.precision import parse_targets
 
-__all__ = ["cmd_audit", "parse_targets"]
+__all__ = ["cmd_audit"]
 
 _HELP = """\
 Run a training script and measure, for every module, how much accuracy a low-precision format
@@ -64,30 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _split_here(argv: Sequence[str]) -> tuple[list[str], str | None, str | None, list[str]]:
     """Split at the script, as ``nanhunt diagnose`` does, with the audit's own value options."""
-    from ..cli_args import split_argv
-
     return split_argv(argv, _VALUE_OPTIONS)
-
-
-def parse_targets(text: str | list[str] | None) -> list[str] | None:
-    """``"float16,bf16"`` -> ``["float16", "bfloat16"]`` (None: the run's own format)."""
-    from ..formats import get_format
-
-    if text is None:
-        return None
-    items = text.split(",") if isinstance(text, str) else list(text)
-    names = []
-    for item in (i.strip() for i in items):
-        if not item:
-            continue
-        fmt = get_format(item)
-        if fmt.name == "float32":
-            raise NanhuntError("--target float32: the audit compares a format against float32")
-        if fmt.name not in names:
-            names.append(fmt.name)
-    if not names:
-        raise NanhuntError("--target needs at least one format")
-    return names
 
 
 class _NeverRaised(BaseException):
@@ -104,7 +83,7 @@ def cmd_audit(argv: Sequence[str]) -> int:
     if opts.warmup < 0:
         raise NanhuntError("--warmup must be at least 0")
     targets = parse_targets(opts.target)
-    from ..runner import Target
+    from nanhunt.cli.runner import Target
 
     target = Target(script=script, module=module, args=script_args)
     target.check()
@@ -120,10 +99,10 @@ def _audit(opts: argparse.Namespace, targets: list[str] | None, target: Any, arg
            out_dir: Path) -> int:
     import torch
 
-    from ..runner import print_user_traceback, run_target
-    from ..trace import RunInfo
-    from . import build_trace
-    from ._session import AuditSession
+    from nanhunt.cli.runner import print_user_traceback, run_target
+    from nanhunt.precision import build_trace
+    from nanhunt.precision._session import AuditSession
+    from nanhunt.trace import RunInfo
 
     run = RunInfo(command=["nanhunt", "audit", *argv], script=target.argv0,
                   python=platform.python_version(), torch=torch.__version__,
@@ -144,7 +123,7 @@ def _audit(opts: argparse.Namespace, targets: list[str] | None, target: Any, arg
     if outcome.status == "crashed" and outcome.error is not None:
         print_user_traceback(outcome.error)
     trace = build_trace(session, run)
-    from ..report import render_terminal, write_reports
+    from nanhunt.report import render_terminal, write_reports
 
     paths = write_reports(trace, out_dir)
     if not opts.quiet:

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .capture import Snapshot, map_tensors, tensor_leaves
-from .capture.state import OptimizerSnapshot
-from .errors import NanhuntError
-from .formats import get_format
-from .trace import InputRange, OpRecord, Trace
+from nanhunt._paths import PACKAGE_DIR
+from nanhunt.capture import Snapshot, map_tensors, tensor_leaves
+from nanhunt.capture.state import OptimizerSnapshot
+from nanhunt.errors import NanhuntError
+from nanhunt.formats import get_format
+from nanhunt.trace import InputRange, OpRecord, Trace
 
 __all__ = [
     "ReplayResult",
@@ -46,7 +47,7 @@ __all__ = [
 _SNAPSHOT_FORMAT = "nanhunt-snapshot"
 _SNAPSHOT_VERSION = 1
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
-_OUR_DIR = str(Path(__file__).resolve().parent)
+_OUR_DIR = str(Path(PACKAGE_DIR).resolve())
 _MAX_OPS = 400
 _MASK_OPS = {f"aten.{n}" for n in ("masked_fill", "masked_fill_", "fill", "fill_", "full",
                                     "full_like", "where", "index_put", "index_put_", "scatter",
@@ -452,7 +453,7 @@ def verify(trace: Trace, snap: Snapshot) -> None:
 
     A replay with the fix applied that came out finite (and, for float32 regions, back inside
     the target's range after the cast back) labels it "checked by replaying the culprit";
-    only a re-run of the training (nanhunt.verify) marks it verified.
+    only a re-run of the training (nanhunt.experiment.verify) marks it verified.
     """
     fmt = get_format(trace.run.target)
     if snap.stale_inputs:
@@ -663,7 +664,7 @@ def _script_globals(module: torch.nn.Module) -> dict | None:
 
 def save_snapshot(snap: Snapshot, path: Path, *, script: str = "") -> str:
     """Write the culprit (class and state), its inputs and grad_outputs to ``path``."""
-    from .report.files import atomic_write_bytes
+    from nanhunt.report.files import atomic_write_bytes
 
     buf = io.BytesIO()
     with _main_module_from(_script_globals(snap.module)):

@@ -12,8 +12,16 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from .errors import NanhuntError
-from .formats import FORMATS
+from nanhunt.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_SCRIPT_FAILED,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    NanhuntError,
+)
+from nanhunt.formats import FORMATS
 
 __all__ = [
     "DIAGNOSE_HELP",
@@ -30,8 +38,6 @@ __all__ = [
     "split_argv",
 ]
 
-EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_SCRIPT_FAILED = 0, 1, 2, 3
-EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM, as shells report
 
 EXIT_CODES = """\
 exit codes:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import re
 
-from .diagnose import is_loss_type, module_pattern
-from .fixspec import FixSpec, SnippetContext, number, parse_fix, snippet
-from .formats import get_format
-from .trace import Recommendation, Trace
+from nanhunt.analyse.diagnose import is_loss_type, module_pattern
+from nanhunt.fixspec import FixSpec, SnippetContext, number, parse_fix, snippet
+from nanhunt.formats import get_format
+from nanhunt.trace import Recommendation, Trace
 
 __all__ = ["attach_fixes", "ladder", "verify_order"]
 

@@ -2,7 +2,7 @@
 
 After the diagnosis, :func:`verify_by_rerun` re-runs the script (same argv, cwd, environment)
 in a child ``python -m nanhunt diagnose --fix ...`` for each candidate fix, narrowest first
-(:func:`nanhunt.remedies.ladder`), up to the failure step plus enough steps to see recovery,
+(:func:`nanhunt.analyse.remedies.ladder`), up to the failure step plus enough steps to see recovery,
 and judges the run (:func:`judge`): a fix is verified only when the loss stays finite, no
 gradient goes non-finite beyond GradScaler's first calibration skips, no run of skipped steps
 follows, the loss does not blow up (10x its first value) and the original failure is gone.
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .fixspec import parse_fix
-from .remedies import ladder, set_fix, verify_order
-from .trace import FixTry, Recommendation, Trace, Verification
+from nanhunt.analyse.remedies import ladder, set_fix, verify_order
+from nanhunt.fixspec import parse_fix
+from nanhunt.trace import FixTry, Recommendation, Trace, Verification
 
 __all__ = ["RerunConfig", "judge", "verify_by_rerun"]
 
@@ -195,7 +195,7 @@ def _last_progress(path: Path) -> str:
 
 
 class _Server:
-    """The fork server (nanhunt._forkserver), started at the first re-run; None where the
+    """The fork server (nanhunt.cli.forkserver), started at the first re-run; None where the
     platform cannot fork (each re-run is then a fresh process)."""
 
     def __init__(self, cfg: RerunConfig) -> None:
@@ -204,7 +204,7 @@ class _Server:
         if hasattr(os, "fork"):
             t0 = time.monotonic()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "nanhunt._forkserver"], cwd=cfg.cwd, env=cfg.env,
+                [sys.executable, "-m", "nanhunt.cli.forkserver"], cwd=cfg.cwd, env=cfg.env,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 text=True, bufsize=1)
             if not self.proc.stdout.readline():  # type: ignore[union-attr]

@@ -1,6 +1,7 @@
 """Install fixes from outside the training script, through global instrumentation.
 
-:func:`install` takes parsed ``--fix`` specs (:mod:`nanhunt.fixspec`) and makes the change each
+:func:`install` takes parsed ``--fix`` specs (:mod:`nanhunt.fixspec`) and makes the
+change each
 snippet makes, without editing the script: global module pre/post hooks run a region in
 float32, clamp an output, enter a :class:`TorchFunctionMode` that floors an op's input, or set a
 norm's eps; a wrapper of ``Optimizer.__init__`` changes eps and the learning rate; a wrapper of
@@ -40,9 +41,9 @@ from torch.optim import optimizer as _O
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import capture
-from .errors import NanhuntError
-from .fixspec import FixSpec
+from nanhunt import capture
+from nanhunt.errors import NanhuntError
+from nanhunt.fixspec import FixSpec
 
 __all__ = ["FixMismatch", "Fixes", "RunFixes", "install"]
 
@@ -463,7 +464,7 @@ class RunFixes:
     live line."""
 
     def __init__(self, texts: Iterable[str]) -> None:
-        from .fixspec import parse_fix
+        from nanhunt.fixspec import parse_fix
 
         self.texts = list(texts)
         self.fixes = Fixes([parse_fix(t) for t in self.texts]) if self.texts else None
@@ -476,7 +477,7 @@ class RunFixes:
         return os.environ.get("NANHUNT_RERUN") == "1"
 
     def install(self) -> RunFixes:
-        from . import sandbox
+        from nanhunt.experiment import sandbox
 
         if self.fixes is not None:
             self.fixes.install()

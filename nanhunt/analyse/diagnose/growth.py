@@ -9,8 +9,7 @@ import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..trace import Finding, LayerStats, Trace
-from ._base import (
+from nanhunt.analyse.diagnose._base import (
     ORDERS,
     Context,
     Growth,
@@ -23,9 +22,11 @@ from ._base import (
     _span,
     rule,
 )
-from .classify import (
+from nanhunt.analyse.diagnose.classify import (
     _is_weight_growth,
 )
+from nanhunt.analyse.diagnose.shared import grad_site, is_recurrent
+from nanhunt.trace import Finding, LayerStats, Trace
 
 # ----------------------------------------------------------------------------- growth rules
 # These are errors when a failure follows the growth, warnings when the run is still finite.
@@ -196,56 +197,6 @@ def weight_growth(trace: Trace, ctx: Context) -> Iterator[Finding]:
     )
 
 
-def _grad_site(ctx: Context) -> tuple[str, list[tuple[int, float]]] | None:
-    """The module whose own parameter gradients grew most over the applied steps (with one
-    applied step: the largest), with its unscaled series; a recurrent cell's inner layer is
-    named by the outermost module called as often as it (the cell, not its Linear)."""
-    cands = []
-    for layer in ctx.trace.layers:
-        pts = []
-        for s, v in sorted(layer.param_grad_amax_by_step.items()):
-            rec = ctx.steps.get(s)
-            if _finite_pos(v) and rec is not None and not rec.skipped and ctx.before_failure(s):
-                pts.append((s, v / ctx.scale_at(s)))
-        if pts:
-            cands.append((layer, pts))
-    if not cands:
-        return None
-
-    def growth(pts: list[tuple[int, float]]) -> float:
-        best = 1.0
-        for i in range(1, len(pts)):
-            low = min(v for _, v in pts[:i])
-            best = max(best, pts[i][1] / low)
-        return best
-
-    if any(len(p) > 1 for _, p in cands):
-        # growth made in a module shows in its own gradients and in those of every module
-        # upstream of it (they receive its gradient): of the modules that grew about as much as
-        # the most, the one nearest the loss (last in forward order) is where it starts
-        top = max(growth(p) for _, p in cands)
-        strong = [c for c in cands if math.log(growth(c[1])) >= 0.5 * math.log(top)]
-        # ... unless one of them applies its weights again and again in a step: a recurrence
-        # multiplies the gradient by its own Jacobian at each call, so it is the amplifier, and
-        # a feed-forward layer after it (a readout head) only follows its input. Choosing by
-        # "nearest the loss" alone flips on the float rounding of a chaotic run when the head's
-        # growth sits near the cut; the recurrence with the most growth does not.
-        loops = [c for c in strong if _recurrent(ctx, c[0])]
-        if loops:
-            layer, pts = max(loops, key=lambda c: growth(c[1]))
-        else:
-            layer, pts = max(strong, key=lambda c: ctx.order.get(c[0].module, -1))
-    else:
-        layer, pts = max(cands, key=lambda c: c[1][-1][1])
-    ancestors = [o.module for o in ctx.trace.layers if o.module
-                 and ctx.is_descendant(layer.module, o.module) and o.calls >= layer.calls]
-    # the outermost module called as often (per step) as the site: the recurrent cell
-    return min(ancestors, key=len, default=layer.module), pts
-
-
-_RECURRENT = ("RNN", "LSTM", "GRU")
-
-
 def _recurrent_explosion(ctx: Context) -> str | None:
     """The module, when the gradient norm exploded (one order of magnitude or more) and it
     grows in a recurrent module: an RNN/LSTM/GRU, or a cell with parameters called several
@@ -261,22 +212,11 @@ def _recurrent_explosion(ctx: Context) -> str | None:
         factor = g.total if g is not None else 0.0
     if factor < ctx.th.grad_spike:
         return None
-    site = _grad_site(ctx)
+    site = grad_site(ctx)
     if site is None:
         return None
     layer = ctx.layer(site[0])
-    return site[0] if layer is not None and _recurrent(ctx, layer) else None
-
-
-def _recurrent(ctx: Context, layer: LayerStats) -> bool:
-    """An RNN/LSTM/GRU, or a module with parameters called several times a step (a cell in a
-    hand-written loop through time), or one inside such a module."""
-    # calls count every traced step, while the by-step series keep only the last few
-    steps = max(1, sum(1 for s in ctx.trace.steps if s.traced is not False),
-                len(layer.forward_amax_by_step))
-    outer = [o for o in ctx.trace.layers if o.module and o.calls >= layer.calls
-             and (o is layer or ctx.is_descendant(layer.module, o.module))]
-    return any(any(w in o.type for w in _RECURRENT) or o.calls >= 2 * steps for o in outer)
+    return site[0] if layer is not None and is_recurrent(ctx, layer) else None
 
 
 def _explosion_harm(ctx: Context, step: int) -> str | None:
@@ -359,7 +299,7 @@ def exploding_gradient(trace: Trace, ctx: Context) -> Iterator[Finding]:
         evidence = [f"gradient norm by step ({_span(points)}): {_series(points, 8)}"]
     if f is not None:
         message += f", before the failure at step {f.step}"
-    site = _grad_site(ctx)
+    site = grad_site(ctx)
     module = None
     if site is not None:
         module = site[0]

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from .errors import NanhuntError
+from nanhunt._paths import PACKAGE_DIR
+from nanhunt.errors import NanhuntError
 
 __all__ = ["Outcome", "Target", "TargetMissing", "print_user_traceback", "run_target"]
 
-_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+_PACKAGE_DIR = str(Path(PACKAGE_DIR).resolve())
 _HIDDEN = (_PACKAGE_DIR, str(Path(runpy.__file__).resolve()), "<frozen runpy>")
 
 
