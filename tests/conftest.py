@@ -7,6 +7,11 @@ import torch
 from torch.nn.modules import module as _M
 from torch.optim import optimizer as _O
 
+# one torch thread in this process: the CLI runs of tests/integration (two at a time) share the
+# machine with it, and a thread per core here made in-process tests up to 11x slower under load;
+# results never depend on it (the CLI children run with OMP_NUM_THREADS=1 too)
+torch.set_num_threads(1)
+
 
 def global_hook_counts() -> dict[str, int]:
     # _global_forward_hooks_with_kwargs keeps stale ids after remove(): not counted

@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from nanhunt import capture
+from nanhunt.capture.naming import Naming
 from nanhunt.errors import NanhuntError
 from nanhunt.fixspec import FixSpec
 
@@ -132,43 +133,32 @@ def _call_kwargs() -> dict | None:
 
 
 class _Names:
-    """Module -> qualified name, by the rule nanhunt's capture names them: the first root with
-    parameters is the model (names as in ``model.named_modules()``), other roots by variable."""
+    """Module -> qualified name by the one rule capture names them with
+    (:class:`nanhunt.capture.naming.Naming`), so a ``--fix`` pattern matches exactly the names
+    a report printed: the first root with parameters is the model (names as in
+    ``model.named_modules()``), other roots by variable, wrappers (DDP) by their inner model."""
 
     def __init__(self) -> None:
-        self.of: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.all: list[str] = []
-        self._roots: list[tuple[Any, str]] = []
-        self._primary = False
+        self.naming = Naming()
+
+    @property
+    def all(self) -> list[str]:
+        return list(self.naming.types)
+
+    @property
+    def of(self) -> WeakIdKeyDictionary:
+        return self.naming.names
 
     def name(self, module: nn.Module, outermost: bool) -> str | None:
-        name = self.of.get(module)
-        if name is not None:
-            return name
-        if outermost:
-            self._add(capture._owner_of(module))
-        else:  # created after its root was named
-            for root, label in self._roots:
-                if any(m is module for m in root.modules()):
-                    self._add(root, label)
-        return self.of.get(module)
-
-    def _add(self, root: nn.Module, label: str | None = None) -> None:
-        label = label or capture._variable_name(root) or type(root).__name__
-        primary = not self._primary and next(root.parameters(), None) is not None
-        if primary:
-            self._primary = True
-        if all(r is not root for r, _ in self._roots):
-            self._roots.append((root, label))
-        inner = capture._unwrap(root)
-        if inner is not root:
-            self.of[root] = label
-            root = inner
-        for qual, mod in root.named_modules():
-            name = (qual or label) if primary else (f"{label}.{qual}" if qual else label)
-            if mod not in self.of:
-                self.of[mod] = name
-                self.all.append(name)
+        name = self.naming.names.get(module)
+        if name is not None or outermost:
+            return name if name is not None else self.naming.name_of(module, [])
+        for ref, label in list(self.naming.roots):  # created after its root was named
+            root = ref()
+            if root is not None and any(m is module for m in root.modules()):
+                self.naming.add_root(root, label=label)
+                return self.naming.names.get(module)
+        return None
 
 
 class Fixes:
