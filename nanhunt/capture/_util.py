@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import linecache
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanhunt._patching import patch  # noqa: F401 (the capture observers import it from here)
 from nanhunt._paths import PACKAGE_DIR
 
 
@@ -233,9 +233,3 @@ HISTORY = 10_000  # steps of timeline and per-layer history kept (memory stays b
 def _clone_tree(obj: Any) -> Any:
     return map_tensors(obj, lambda t: t.detach().clone())
 
-
-def patch(stack: contextlib.ExitStack, owner: type, name: str, wrapper: Any) -> None:
-    """Replace ``owner.name`` by ``wrapper(original)``; ``stack`` puts the original back."""
-    original = owner.__dict__[name]
-    setattr(owner, name, wrapper(original))
-    stack.callback(setattr, owner, name, original)

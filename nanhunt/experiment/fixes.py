@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from nanhunt import capture
+from nanhunt._patching import patch
 from nanhunt.capture.naming import Naming
 from nanhunt.errors import NanhuntError
 from nanhunt.fixspec import FixSpec
@@ -223,11 +224,7 @@ class Fixes:
         self.uninstall()
         return False
 
-    @staticmethod
-    def _patch(stack: contextlib.ExitStack, owner: type, name: str, wrapper: Any) -> None:
-        original = owner.__dict__[name]
-        setattr(owner, name, wrapper(original))
-        stack.callback(setattr, owner, name, original)
+    _patch = staticmethod(patch)
 
     def _close_calls(self) -> None:
         """Leave what a call interrupted by a BaseException (Ctrl-C, the run stopped) left

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from nanhunt._patching import patch
+
 __all__ = ["Sandbox", "install"]
 
 # module -> (class, the argument naming where it writes, what the redirected name is called)
@@ -67,9 +69,7 @@ class Sandbox:
         self._stack.close()
 
     def _patch(self, owner: Any, name: str, wrapper: Any) -> None:
-        original = getattr(owner, name)
-        setattr(owner, name, wrapper(original))
-        self._stack.callback(setattr, owner, name, original)
+        patch(self._stack, owner, name, wrapper)
 
     def _wrap_save(self, original: Any) -> Any:
         def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:

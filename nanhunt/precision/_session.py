@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim import optimizer as _O
 from torch.overrides import TorchFunctionMode
 
+from nanhunt._patching import patch
 from nanhunt.analyse import rank
 from nanhunt.errors import NanhuntError
 from nanhunt.precision._audit import Auditor
@@ -126,11 +127,7 @@ class AuditSession:
         self.stop()
         return False
 
-    @staticmethod
-    def _patch(stack: contextlib.ExitStack, owner: type, name: str, wrapper: Any) -> None:
-        original = owner.__dict__[name]
-        setattr(owner, name, wrapper(original))
-        stack.callback(setattr, owner, name, original)
+    _patch = staticmethod(patch)
 
     def _begin(self) -> None:
         if self.tracing or self.done:
