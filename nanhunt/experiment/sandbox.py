@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.util
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -25,7 +26,10 @@ from nanhunt._patching import patch
 
 __all__ = ["Sandbox", "install"]
 
-# module -> (class, the argument naming where it writes, what the redirected name is called)
+# module -> (class, the arguments naming where it writes). Only the arguments the installed
+# version has count (transformers 5 has no logging_dir); the first of them is redirected also
+# when the script leaves it to its default (a folder in the working directory), the others only
+# when given (left out, they follow the first).
 _WRITERS = {
     "torch.utils.tensorboard.writer": ("SummaryWriter", ("log_dir",)),
     "tensorboardX.writer": ("SummaryWriter", ("logdir", "log_dir")),
@@ -72,20 +76,18 @@ class Sandbox:
         patch(self._stack, owner, name, wrapper)
 
     def _wrap_save(self, original: Any) -> Any:
-        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(f, (str, os.PathLike)):
-                f = self.redirect(f, "torch.save")
-            return original(obj, f, *args, **kwargs)
+        def to_scratch(f: Any) -> Any:
+            return self.redirect(f, "torch.save") if isinstance(f, (str, os.PathLike)) else f
 
-        return save
+        return _rebinding(original, {"f": to_scratch})
 
     def _wrap_load(self, original: Any) -> Any:
-        def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        def from_scratch(f: Any) -> Any:
             if isinstance(f, (str, os.PathLike)):
-                f = self.map.get(os.path.abspath(os.fspath(f)), f)
-            return original(f, *args, **kwargs)
+                return self.map.get(os.path.abspath(os.fspath(f)), f)
+            return f
 
-        return load
+        return _rebinding(original, {"f": from_scratch})
 
     def _patch_writer(self, module: Any) -> None:
         cls_name, args = _WRITERS[module.__name__]
@@ -95,16 +97,57 @@ class Sandbox:
         sandbox = self
 
         def wrap(original: Any) -> Any:
-            def __init__(obj: Any, *a: Any, **kw: Any) -> None:
-                for arg in args:
-                    where = kw.get(arg)
-                    kw[arg] = sandbox.redirect(where or f"{cls_name.lower()}-default",
-                                               f"{cls_name}({arg})")
-                original(obj, *a, **kw)
+            present = [a for a in args if a in _parameters(original)]
 
-            return __init__
+            def redirect(arg: str, first: bool) -> Any:
+                def to_scratch(where: Any) -> Any:
+                    if where is None and not first:
+                        return None
+                    return sandbox.redirect(where or f"{cls_name.lower()}-default",
+                                            f"{cls_name}({arg})")
+
+                return to_scratch
+
+            return _rebinding(original, {a: redirect(a, i == 0) for i, a in enumerate(present)},
+                              defaults=present[:1])
 
         self._patch(cls, "__init__", wrap)
+
+
+def _parameters(fn: Any) -> Any:
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def _rebinding(original: Any, change: dict[str, Any], defaults: list[str] | None = None) -> Any:
+    """``original`` with the arguments named in ``change`` passed through it, wherever the
+    caller put them (by position or keyword); ``defaults`` are changed also when the caller
+    left them out. A call that does not bind raises as ``original`` itself would."""
+    try:
+        signature = inspect.signature(original)
+    except (TypeError, ValueError):
+        return original
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)
+        for name, fn in change.items():
+            if name in bound.arguments:
+                bound.arguments[name] = fn(bound.arguments[name])
+            elif defaults and name in defaults:
+                value = fn(signature.parameters[name].default)
+                if value is not None:
+                    bound.arguments[name] = value
+        return original(*bound.args, **bound.kwargs)
+
+    call.__wrapped__ = original  # type: ignore[attr-defined]
+    call.__name__ = getattr(original, "__name__", "call")
+    call.__doc__ = getattr(original, "__doc__", None)
+    return call
 
 
 RERUN_NOTE = "the re-run's scratch folder"

@@ -87,6 +87,12 @@ def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code:
         t.reason = ("the original failure remains: " if same else "new first failure: ") + \
             f.where()
         return t
+    if rerun.run.status == "crashed":
+        # before any judgement of its steps: a re-run that raised did not train, whatever the
+        # steps it ran say (a TypeError at the start ran none)
+        t.reason = f"the re-run crashed after {t.steps} step{'s' if t.steps != 1 else ''}: " \
+            f"{(rerun.run.error or 'no error recorded').splitlines()[0][:300]}"
+        return t
     bad = next((s for s in steps if s.loss is not None and not math.isfinite(s.loss)), None)
     if bad is not None:
         t.reason = f"loss {bad.loss} at step {bad.index}"
@@ -94,6 +100,9 @@ def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code:
     applied = [s.index for s in steps if not s.skipped]
     after = [i for i in t.skipped if applied and i > applied[0]]
     streak = _longest_run(after)
+    if not steps:
+        t.reason = f"it ran no training step ({rerun.run.status})"
+        return t
     if not applied:
         t.reason = f"GradScaler skipped all {len(steps)} steps"
         return t
@@ -116,9 +125,6 @@ def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code:
     covered = t.steps > o.step if o is not None else t.steps >= len(original.steps)
     if t.steps < target_steps and not (ended and covered):
         t.reason = f"it stopped after {t.steps} of {target_steps} steps ({rerun.run.status})"
-        return t
-    if exit_code not in (0,) and rerun.run.status == "crashed":
-        t.reason = f"the script crashed: {rerun.run.error}"
         return t
     t.verified = True
     calib = [i for i in t.skipped if i < applied[0]]

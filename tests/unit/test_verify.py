@@ -166,3 +166,19 @@ def test_no_problem_no_rerun(tmp_path: Path):
     verify_by_rerun(t, RerunConfig(script="x.py", module=None, args=[], cwd=str(tmp_path),
                                    env={}), tmp_path)
     assert t.verification.tries == 0 and "no problem" in t.verification.note
+
+
+def test_a_crashed_rerun_says_it_crashed_not_that_the_scaler_skipped():
+    # an HF Trainer re-run that raised a TypeError before its first step (the sandbox's old
+    # logging_dir) was reported as "GradScaler skipped all 0 steps"
+    crashed = _rerun([], status="crashed")
+    crashed.run.error = "TypeError: TrainingArguments.__init__() got an unexpected keyword " \
+        "argument 'logging_dir'"
+    t = judge(_original(), crashed, 9, exit_code=3)
+    assert not t.verified
+    assert t.reason.startswith("the re-run crashed after 0 steps: TypeError")
+    late = _rerun([1.0] * 9, status="crashed")
+    late.run.error = "RuntimeError: boom\nmore"
+    t = judge(_original(), late, 9, exit_code=3)
+    assert not t.verified and t.reason == "the re-run crashed after 9 steps: RuntimeError: boom"
+    assert "no training step" in judge(_original(), _rerun([]), 9, exit_code=0).reason
