@@ -49,10 +49,7 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
     _promote_severe_underflow(trace)
     if trace.diagnosis is not None and trace.diagnosis.severity == "error":
         trace.problem = True  # e.g. a misused GradScaler before anything went non-finite
-    _guard(trace, "advice", advise, trace)
-    from nanhunt.analyse.remedies import attach_fixes
-
-    _guard(trace, "fix specs", attach_fixes, trace)
+    _guard(trace, "advice", advise, trace)  # with each fix's --fix specs and snippet
     if snapshot is not None:
         _guard(trace, "verification", zoom.verify, trace, snapshot)
     if optimizer_snapshot is not None:

@@ -36,6 +36,7 @@ from nanhunt.analyse.diagnose import (
     module_pattern,
     scale_fractions,
 )
+from nanhunt.analyse.remedies import attach_fixes
 from nanhunt.formats import NumberFormat, get_format
 from nanhunt.trace import Finding, LayerStats, Recommendation, Trace
 
@@ -236,41 +237,6 @@ def _narrow_dtype(layer: LayerStats | None, fmt: NumberFormat) -> bool:
 def _torch_dtype(fmt: NumberFormat) -> str:
     return f"torch.{fmt.name}"
 
-
-_FP32_HELPER = '''import fnmatch
-
-import torch
-from torch import nn
-
-
-def run_in_float32(model: nn.Module, pattern: str, cast_to: torch.dtype | None = None) -> list:
-    """Run the submodules whose names match ``pattern`` in float32 with autocast off; cast
-    their output to ``cast_to`` (None: leave it in float32 for what follows)."""
-    names = []
-    for name, module in model.named_modules():
-        if not fnmatch.fnmatchcase(name, pattern):
-            continue
-        module.float()
-        forward = module.forward
-
-        def fp32_forward(*args, _forward=forward, **kwargs):
-            args = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
-            kwargs = {
-                k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
-                for k, v in kwargs.items()
-            }
-            device = next((a.device.type for a in args if torch.is_tensor(a)), "cuda")
-            with torch.autocast(device_type=device, enabled=False):
-                out = _forward(*args, **kwargs)
-            if cast_to is not None and torch.is_tensor(out):
-                out = out.to(cast_to)
-            return out
-
-        module.forward = fp32_forward
-        names.append(name)
-    return names
-
-'''
 
 
 # ----------------------------------------------------------------------------- builders
@@ -479,7 +445,6 @@ def _fp32_module(trace: Trace, ctx: Context, finding: Finding) -> Recommendation
     elif finding.data.get("headroom", 0.0) < 0:
         exceeds = True
         evidence.append(f"its float32 values exceed {fmt.max:g}: casting them back makes inf")
-    calls = []
     region = None
     if exceeds:
         found = _region_end(ctx, instances[0])
@@ -488,7 +453,7 @@ def _fp32_module(trace: Trace, ctx: Context, finding: Finding) -> Recommendation
                 "no normalisation follows it in the trace: keep float32 until values are back "
                 f"below {fmt.max:g}, or clamp (see the clamp recommendation)"
             )
-            calls.append(f"run_in_float32(model, {_q(target)})  # stays float32 after it")
+            cast = None  # its output stays float32 for what follows
         else:
             end, between = found
             end_name = _same_shape(target, instances[0], end.module)
@@ -499,16 +464,6 @@ def _fp32_module(trace: Trace, ctx: Context, finding: Finding) -> Recommendation
                 f"the float32 region must run through {end.module} ({end.type}), the next "
                 f"normalisation, where values are back in range{back}; cast back after it"
             )
-            calls.append(f"run_in_float32(model, {_q(target)})  # its output exceeds {fmt.max:g}")
-            calls += [
-                f"run_in_float32(model, {_q(_same_shape(target, instances[0], m))})"
-                for m in between
-            ]
-            cast_arg = f", cast_to={cast}" if cast else ""
-            calls.append(f"run_in_float32(model, {_q(end_name)}{cast_arg})  # back in range here")
-    else:
-        cast_arg = f", cast_to={cast}" if cast else ""
-        calls.append(f"run_in_float32(model, {_q(target)}{cast_arg})")
     evidence.append(
         "float32 for these instances only, not the whole class; autocast stays on elsewhere"
     )
@@ -517,7 +472,7 @@ def _fp32_module(trace: Trace, ctx: Context, finding: Finding) -> Recommendation
         type="fp32_module",
         value=value,
         module=target,
-        snippet=_FP32_HELPER + "\n" + "\n".join(calls),
+        snippet="",  # written from its --fix spec (nanhunt.fixspec) by remedies, below
         evidence=evidence,
         data={
             "modules": instances,
@@ -576,7 +531,7 @@ def _fp32_probabilities(trace: Trace, ctx: Context, finding: Finding) -> Recomme
         type="fp32_module",
         value=name,
         module=name,
-        snippet=_FP32_HELPER + f"\nrun_in_float32(model, {_q(name)})  # the loss gets float32",
+        snippet="",  # written from its --fix spec by remedies, below
         evidence=evidence,
         data={"modules": [name], "region": [name], "cast_to": None},
     )
@@ -1186,3 +1141,6 @@ def advise(trace: Trace) -> None:
             seen.add((rec.type, rec.module))
             recs.append(rec)
     trace.recommendations = recs
+    # every installable recommendation gets its --fix specs and the snippet written from them
+    # (one generator: the printed code is the change --fix installs)
+    attach_fixes(trace)

@@ -20,12 +20,11 @@ the smaller fix.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Callable
 
-from nanhunt.analyse.advise import _FP32_HELPER
+from nanhunt.fixspec import FixSpec, SnippetContext, snippet
 from nanhunt.formats import NumberFormat, get_format
 from nanhunt.trace import PrecisionAudit, PrecisionLayer, Recommendation
 
@@ -274,7 +273,8 @@ def fp32_groups(audit: PrecisionAudit) -> list[tuple[str, list[str]]]:
 
 def recommend(audit: PrecisionAudit,
               check: Callable[[list[str]], tuple[float | None, float | None]],
-              *, half_model: str | None = None) -> Recommendation | None:
+              *, half_model: str | None = None, device: str = "cuda",
+              ) -> Recommendation | None:
     """One ``fp32_module`` recommendation for the standouts, or None when none stands out.
 
     ``check(modules)`` gives the mean relative loss error against float32 over the audited
@@ -298,12 +298,15 @@ def recommend(audit: PrecisionAudit,
         evidence.append(f"the other ranked layers: median {statistics.median(others):.1f} dB "
                         f"(threshold {audit.threshold_db:.1f} dB)")
     evidence += worst.reasons[:3]
-    cast = f", cast_to=torch.{half_model}" if half_model else ""
-    calls = [f"run_in_float32(model, {json.dumps(p)}{cast})" for p, _ in groups]
+    # each group in float32 with its output cast back to the model's own half dtype: the
+    # spec --fix installs, and the snippet fixspec writes for it (one generator for both)
+    spec = FixSpec("fp32", tuple(p for p, _ in groups))
+    code = snippet([spec], SnippetContext(device=device, low=half_model))
     before, after = check(modules)
     rec = Recommendation(
         type="fp32_module", value=[p for p, _ in groups], module=groups[0][0],
-        snippet=_FP32_HELPER + "\n" + "\n".join(calls), evidence=evidence,
+        snippet=code.code, helper=code.helper, fix=[str(spec)], code_change=False,
+        evidence=evidence,
         data={"modules": modules, "region": [p for p, _ in groups],
               "cast_to": half_model, "source": "audit", "target": fmt.name,
               "loss_error_before": before, "loss_error_after": after})

@@ -44,6 +44,8 @@ def _refs(trace: Trace) -> dict[str, str]:
 def specs_for(rec: Recommendation, trace: Trace) -> list[FixSpec]:
     """The fix specs that install ``rec``; [] when it needs a change to the code."""
     d = rec.data
+    if rec.type == "fp32_module" and d.get("source") == "audit":
+        return [parse_fix(f) for f in rec.fix]  # each standout alone, its output cast back
     if rec.type == "fp32_module":
         region = [str(r) for r in d.get("region") or [rec.module]] if rec.module or \
             d.get("region") else []

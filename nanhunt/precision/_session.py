@@ -279,7 +279,8 @@ class AuditSession:
                                 strict=False):
             half = _half_model(state.plan)
             rec = rank.recommend(audit, lambda mods, st=state: self.auditor.fixed_loss_error(
-                st, mods), half_model=half)
+                st, mods), half_model=half,
+                device=(self.auditor.device or "cuda").split(":")[0])
             if rec is not None:
                 self.recommendations.append(rec)
 

@@ -159,7 +159,7 @@ def test_applying_the_printed_fix_by_hand_lowers_the_loss_error(audited):
         x, y = torch.randn(4, 3000, 4) + 1.0, torch.randint(0, 3, (4,))
     fixed = copy.deepcopy(model)
     scope = {"model": fixed}
-    exec(rec["snippet"], scope)  # the snippet as printed, run_in_float32 helper included
+    exec(rec["helper"] + "\n" + rec["snippet"], scope)  # as printed: the helper, then the code
     ref = _losses(model, x, y, autocast=False)
     err_before = abs(_losses(model, x, y, autocast=True) - ref) / abs(ref)
     err_after = abs(_losses(fixed, x, y, autocast=True) - ref) / abs(ref)

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from nanhunt.analyse.advise import (
-    _FP32_HELPER,
     advise,
     choose_init_scale,
     clip_value,
@@ -24,6 +23,7 @@ from nanhunt.analyse.advise import (
     suggest_eps,
 )
 from nanhunt.analyse.diagnose import diagnose
+from nanhunt.fixspec import FP32_HELPER
 from nanhunt.formats import get_format
 from nanhunt.trace import (
     Failure,
@@ -267,7 +267,8 @@ def test_fp32_module_for_an_overflow_covers_siblings_and_the_region():
     # the float32 output exceeds 65504: float32 through to the next normalisation
     assert r.value == ["encoder.blocks.*.ffn.wo", "final_norm"]
     assert 'run_in_float32(model, "encoder.blocks.*.ffn.wo")' in r.snippet
-    assert 'run_in_float32(model, "final_norm", cast_to=torch.float16)' in r.snippet
+    assert 'run_in_float32(model, "final_norm", cast_back=torch.float16)' in r.snippet
+    assert r.fix == ["fp32:encoder.blocks.*.ffn.wo..final_norm"]  # the snippet is this spec
     assert any("encoder.blocks.0.ffn.wo" in e for e in r.evidence)
     assert (r.verified, r.verification) == (False, "")
     assert r.data == {
@@ -287,7 +288,10 @@ def test_fp32_module_for_a_lone_instance():
 def test_clamp_for_an_inf_only_overflow():
     r = rec(advised(ffn_trace()), "clamp")
     assert r.value == FP16_MAX - 1000  # T5: finfo.max - 1000
-    assert "CLAMP_VALUE = 64504.0" in r.snippet
+    # the snippet is written from the --fix spec (one generator: the printed code is the change
+    # --fix installs)
+    assert r.fix == ["clamp:encoder.blocks.*.ffn.wo=64504"]
+    assert "out.clamp(-64504, 64504)" in r.snippet
     assert r.data == {"where": "output", "bound": 64504.0}
     assert any("7 of 1024 values" in e for e in r.evidence)
 
@@ -335,10 +339,11 @@ def test_clip_with_a_scaler_unscales_first():
     clip = t.recommendations[0]
     assert clip.type == "clip_grad_norm"
     assert clip.value == 2.0  # healthy norms before the growth (steps 0-2): 1.0, 1.1, 0.9
+    assert clip.fix == ["clip=2"]
     lines = clip.snippet.splitlines()
-    assert lines.index(
-        "scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones"
-    ) < (lines.index("torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=2.0)"))
+    assert lines.index("scaler.unscale_(optimizer)  # before scaler.step(optimizer)") < next(
+        i for i, ln in enumerate(lines) if ln.startswith("torch.nn.utils.clip_grad_norm_(")
+        and ln.endswith("max_norm=2)"))
 
 
 def test_eps_for_an_optimizer_nan_with_fp16_weights():
@@ -366,7 +371,9 @@ def test_eps_for_a_norm_that_divides_by_zero():
     assert t.diagnosis.kind == "underflow"
     r = t.recommendations[0]
     assert (r.type, r.module, r.value) == ("eps", "enc.norm", 1e-4)
-    assert 'norm = model.get_submodule("enc.norm")' in r.snippet
+    assert r.fix == ["eps:enc.norm=0.0001"]
+    assert 'fnmatch.fnmatchcase(name, "enc.norm")' in r.snippet
+    assert "setattr(module, attr, 0.0001)" in r.snippet
     assert 'for attr in ("eps", "variance_epsilon", "epsilon"):' in r.snippet
 
 
@@ -540,8 +547,8 @@ def test_fp32_helper_runs_the_module_in_float32_under_autocast():
         m.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(name, out.dtype))
     scope = {"model": model}
     exec(
-        _FP32_HELPER
-        + '\nrun_in_float32(model, "0")\nrun_in_float32(model, "1", cast_to=torch.float16)',
+        FP32_HELPER.format(device="cpu")
+        + '\nrun_in_float32(model, "0")\nrun_in_float32(model, "1", cast_back=torch.float16)',
         scope,
     )
     with torch.autocast("cpu", dtype=torch.float16):
@@ -589,7 +596,6 @@ def test_a_nan_collapse_gets_no_float32_or_clipping_advice():
     # the op is the cause (phase backward), the collapse its evidence
     assert (t.diagnosis.kind, t.diagnosis.phase) == ("nan_op", "backward")
     assert [r.type for r in t.recommendations] == ["clamp"]
-    assert t.recommendations[0].snippet == (
-        "# train.py:5: return ((a - b) ** 2).sum(-1).sqrt()\n"
-        "y = torch.sqrt(x.clamp_min(6.103515625e-05))"
-    )
+    # the user's own line with the floor in it (written from the floor:... spec)
+    assert t.recommendations[0].snippet.endswith(
+        "return ((a - b) ** 2).sum(-1).clamp_min(6.103515625e-05).sqrt()")
