@@ -169,7 +169,7 @@ def time_configs(w: overhead.Workload, repeats: int) -> dict[str, list[float]]:
                     w.step()
                     out[name].append(time.process_time() - c)
                 continue
-            _capture._stats.summarize = fn
+            _stats.summarize = fn
             try:
                 with nanhunt.watch(w.model, w.optimizer, w.scaler, sample_every=every):
                     for i in range(3 if every > 1 else 2):
@@ -178,7 +178,7 @@ def time_configs(w: overhead.Workload, repeats: int) -> dict[str, list[float]]:
                         if every == 1 or i > 0:  # sampled: step 0 is the traced one
                             out[name].append(time.process_time() - c)
             finally:
-                _capture._stats.summarize = original
+                _stats.summarize = original
     return out
 
 
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {role:12s} {typ:32s} {r:4d} rows {n / 1e6:7.2f}M  {100 * n / total:5.1f}%")
 
     zero_row = torch.zeros(_stats.ROW_LEN, dtype=torch.float64)
-    _capture._stats.summarize = lambda t, fmt: zero_row
+    _stats.summarize = lambda t, fmt: zero_row
     profiler = cProfile.Profile()
     try:
         with nanhunt.watch(w.model, w.optimizer, w.scaler):
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                 w.step()
             profiler.disable()
     finally:
-        _capture._stats.summarize = _stats.summarize
+        _stats.summarize = _stats.summarize
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
     stats.print_stats(r"nanhunt", 15)

@@ -24,44 +24,11 @@ from __future__ import annotations
 
 from typing import Any
 
-# the old module's names stay importable from here (tests, benchmarks, other helpers)
-from nanhunt import stats as _stats  # noqa: F401
 from nanhunt.capture import session as _session
-from nanhunt.capture._util import (  # noqa: F401
-    _DROPOUT,
-    _MAX_ANCESTOR_COPY,
-    _WRAPPERS,
-    _autocast_state,
-    _call_leaves,
-    _clone_tree,
-    _foreach_norm,
-    _in_backward,
-    _leaves,
-    _owner_of,
-    _safe,
-    _skip,
-    _unwrap,
-    _variable_name,
-    _version,
-    map_tensors,
-    tensor_leaves,
-)
-from nanhunt.capture.recorder import _HIST_OFFSET, HISTORY  # noqa: F401
 from nanhunt.capture.sentinel import Sentinel, sentinel
-from nanhunt.capture.session import _LOCK, Hunt, Session, StopRun, watch  # noqa: F401
-from nanhunt.capture.state import (  # noqa: F401
-    Snapshot,
-    StepState,
-    _Call,
-    _Frame,
-    _LayerAcc,
-    _merge_rows,
-    _Meta,
-    _StepData,
-)
+from nanhunt.capture.session import Hunt, Session, StopRun, watch
 
 __all__ = ["Hunt", "Sentinel", "Session", "StopRun", "sentinel", "watch"]
-
 
 
 def __getattr__(name: str) -> Any:

@@ -24,8 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanhunt._paths import PACKAGE_DIR
-from nanhunt.capture import Snapshot, map_tensors, tensor_leaves
-from nanhunt.capture.state import OptimizerSnapshot
+from nanhunt.capture._util import map_tensors, tensor_leaves
+from nanhunt.capture.state import OptimizerSnapshot, Snapshot
 from nanhunt.errors import NanhuntError
 from nanhunt.formats import get_format
 from nanhunt.trace import InputRange, OpRecord, Trace
