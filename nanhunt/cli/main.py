@@ -164,7 +164,8 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
 
     def on_step(rec: Any, hunt: Any) -> None:
         live.update(rec, hunt)
-        fixes.on_step(rec)
+        # an optimizer fix on a loop without an optimizer is refused at its first step
+        fixes.on_step(rec, trained=getattr(getattr(hunt, "cur", None), "did_backward", True))
         if hunt.first_failure is not None and not failed_at:
             failed_at.append(time.monotonic() - _STARTED)
 
@@ -253,6 +254,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
             quiet=opts.quiet,
             rerun=rerun,
             ctrl_c=ctrl_c,
+            amend=fixes.amend if fixes.notes else None,
         )
     finally:
         if old_term is not None and ctx.distributed:

@@ -45,7 +45,7 @@ from nanhunt import capture
 from nanhunt._patching import patch
 from nanhunt.capture.naming import Naming
 from nanhunt.errors import NanhuntError
-from nanhunt.fixspec import FixSpec
+from nanhunt.fixspec import FixSpec, number
 
 __all__ = ["FixMismatch", "Fixes", "RunFixes", "install"]
 
@@ -179,6 +179,17 @@ class Fixes:
         self._checked = False
         self._optimizers = 0
         self._scalers = 0
+        #: what the run showed about the fixes that the report should say (a schedule that
+        #: sets the learning rate itself)
+        self.notes: list[str] = []
+        self._lr_factor = next((s.value for s in self.specs if s.kind == "lr-factor"), None)
+        # lr-factor: id(param group) -> (the group, the lr the factor left there); the groups
+        # whose lr the script sets itself get the factor before every step, their own value back
+        # after it
+        self._lr_left: dict[int, tuple[dict, Any]] = {}
+        self._lr_script: set[int] = set()
+        self._lr_restore: list[tuple[dict, Any]] = []
+        self._step_ends = 0
         kinds = {s.kind for s in self.specs}
         self._module_specs = [s for s in self.specs if s.patterns]
         self._optimizer_specs = kinds & {"opt-eps", "lr-factor", "clip", "fp32-master"}
@@ -202,7 +213,7 @@ class Fixes:
                 self._patch(stack, torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
             if self._optimizer_specs or self._module_specs:
                 stack.enter_context(_O.register_optimizer_step_pre_hook(self._opt_pre))
-            if "fp32-master" in self._optimizer_specs:
+            if self._optimizer_specs & {"fp32-master", "lr-factor"}:
                 stack.enter_context(_O.register_optimizer_step_post_hook(self._opt_post))
             if any(v is not None for v in self._scaler_args.values()):
                 self._patch(stack, torch.amp.GradScaler, "__init__", self._wrap_scaler_init)
@@ -248,12 +259,11 @@ class Fixes:
                     if not self._names.all:
                         hint = " (no module ran)"
                     return f"--fix {spec}: {pattern!r} matches no module of the model{hint}"
-        if final:
-            if self._optimizer_specs and not self._optimizers:
-                kinds = ", ".join(sorted(self._optimizer_specs))
-                return f"--fix {kinds}: the script made no optimizer"
-            if any(v is not None for v in self._scaler_args.values()) and not self._scalers:
-                return "--fix init-scale/growth-interval: the script made no GradScaler"
+        if final and self._optimizer_specs and not self._optimizers:
+            return self._no_optimizer()
+        if final and any(v is not None for v in self._scaler_args.values()) and \
+                not self._scalers:
+            return "--fix init-scale/growth-interval: the script made no GradScaler"
         return None
 
     def _plan(self, module: nn.Module, name: str) -> _Plan:
@@ -372,6 +382,7 @@ class Fixes:
                 elif spec.kind == "lr-factor":
                     for g in optimizer.param_groups:
                         g["lr"] *= spec.value
+                        fixes._lr_left[id(g)] = (g, g["lr"])
                     fixes.applied[str(spec)].add(type(optimizer).__name__)
 
         return __init__
@@ -400,6 +411,8 @@ class Fixes:
             message = self.mismatch()
             if message:
                 raise FixMismatch(message)
+        if self._lr_factor is not None:
+            self._lr_factor_now(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         for spec in self.specs:
             if spec.kind == "clip":
@@ -407,6 +420,49 @@ class Fixes:
                 self.applied[str(spec)].add(type(optimizer).__name__)
         if "fp32-master" in self._optimizer_specs:
             self._swap_in_masters(params)
+
+    def _lr_factor_now(self, optimizer: Any) -> None:
+        """lr-factor where the script sets the learning rate itself between steps (a
+        hand-written schedule of absolute values, as nanoGPT's ``param_group['lr'] = lr``): the
+        factor applied when the optimizer was made is gone, so it multiplies the value the
+        script set for this step, and the script gets its own value back after the step (its
+        schedule, prints and checkpoints see what they set). A torch LR scheduler works from
+        the factored ``initial_lr``: left alone."""
+        f = self._lr_factor
+        for g in optimizer.param_groups:
+            key = id(g)
+            if key not in self._lr_script:
+                left = self._lr_left.get(key)
+                if left is None or left[0] is not g:
+                    continue  # a group added after the optimizer was made: as the snippet
+                if "initial_lr" in g or g["lr"] is left[1] or (
+                        not isinstance(g["lr"], torch.Tensor) and g["lr"] == left[1]):
+                    self._lr_left[key] = (g, g["lr"])
+                    continue
+                self._lr_script.add(key)
+                self.notes.append(
+                    f"--fix lr-factor={number(f)}: the script sets the learning rate itself "
+                    f"(before step {self._step_ends}: {_lr_text(g['lr'])}, where the factor had "
+                    f"left {_lr_text(left[1])}), so the factor multiplies the value the script "
+                    "sets before every optimizer step; the script still sees its own values")
+            script_lr = g["lr"]
+            g["lr"] = script_lr * f
+            self._lr_restore.append((g, script_lr))
+
+    def step_ended(self, trained: bool) -> None:
+        """A training step ended (``trained``: it ran a backward). An optimizer fix on a script
+        that made no torch optimizer by then cannot act: refuse it now rather than let the
+        script train on unchanged."""
+        self._step_ends += 1
+        if trained and self._optimizer_specs and not self._optimizers:
+            raise FixMismatch(self._no_optimizer())
+
+    def _no_optimizer(self) -> str:
+        specs = ", ".join(str(s) for s in self.specs
+                          if s.kind in ("opt-eps", "lr-factor", "clip", "fp32-master"))
+        return (f"--fix {specs}: the script trains with no torch optimizer (it updates its "
+                "weights itself), and this fix acts through one; change the script's own "
+                "update instead")
 
     def _swap_in_masters(self, params: list) -> None:
         if all(p.dtype == torch.float32 for p in params):
@@ -423,12 +479,19 @@ class Fixes:
             self._swapped.append((p, half, grad))
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for g, script_lr in self._lr_restore:
+            g["lr"] = script_lr
+        self._lr_restore = []
         for p, half, grad in self._swapped:
             half.copy_(p.data)
             p.grad = None
             p.data = half
             p.grad = grad
         self._swapped = []
+
+
+def _lr_text(lr: Any) -> str:
+    return number(float(lr)) if not isinstance(lr, torch.Tensor) or lr.numel() == 1 else "?"
 
 
 def _device_of(module: nn.Module, args: tuple) -> str:
@@ -478,7 +541,17 @@ class RunFixes:
             self.sandbox.uninstall()
         return message
 
-    def on_step(self, rec: Any) -> None:
+    @property
+    def notes(self) -> list[str]:
+        return self.fixes.notes if self.fixes is not None else []
+
+    def amend(self, trace: Any) -> None:
+        """Put what the run showed about the fixes into its report's notes."""
+        trace.notes.extend(n for n in self.notes if n not in trace.notes)
+
+    def on_step(self, rec: Any, trained: bool = True) -> None:
+        if self.fixes is not None:
+            self.fixes.step_ended(trained)
         if self._progress:
             loss = f"  loss {rec.loss:.4g}" if rec.loss is not None else ""
             with open(self._progress, "a", encoding="utf-8") as f:

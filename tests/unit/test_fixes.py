@@ -231,3 +231,25 @@ def test_snippets_parse_and_are_short():
         ast.parse(snip.code)
         ast.parse(snip.helper)
         assert len(snip.code.splitlines()) <= 8, snip.code
+
+
+def test_lr_factor_acts_on_a_schedule_that_sets_absolute_values():
+    # nanoGPT's loop sets param_group["lr"] = get_lr(it) before every step: the factor applied
+    # when the optimizer was made was overwritten, and the run trained at the script's lr
+    script = SCRIPTS / "lr_schedule_absolute.py"
+    fixes = install([parse_fix("lr-factor=0.1")])
+    try:
+        installed = run_script(script, [])
+    finally:
+        fixes.uninstall()
+    by_hand = run_script(script, ["--scale", "0.1"])
+    plain = run_script(script, [])
+
+    def losses(lines):
+        return [ln.split(" lr ")[0] for ln in lines]
+
+    assert losses(installed) == losses(by_hand)
+    assert losses(installed) != losses(plain)
+    # the script still sees the values it set (its own prints and checkpoints are unchanged)
+    assert [ln.split(" lr ")[1] for ln in installed] == [ln.split(" lr ")[1] for ln in plain]
+    assert any("sets the learning rate itself" in n for n in fixes.notes), fixes.notes
