@@ -7,10 +7,12 @@ limits written out (overflow e + k >= 16, flushed e + k < -24, subnormal -24 <= 
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
 import torch
+from rich.console import Console
 from torch import nn
 
 from nanhunt.analyse.advise import (
@@ -599,3 +601,116 @@ def test_a_nan_collapse_gets_no_float32_or_clipping_advice():
     # the user's own line with the floor in it (written from the floor:... spec)
     assert t.recommendations[0].snippet.endswith(
         "return ((a - b) ** 2).sum(-1).clamp_min(6.103515625e-05).sqrt()")
+
+
+
+def gpt_trace(blocks: int, culprit: int, sibling_peak: float = 40000.0) -> Trace:
+    """nanoGPT's module order: each block's ln_1, attn, ln_2, mlp (c_fc, gelu, c_proj), then
+    ln_f after the last block; the culprit block's mlp.c_fc overflows, the others' peak at
+    ``sibling_peak``."""
+    layers = [layer("transformer.wte", "Embedding", fwd=[1, 1, 1, 1])]
+    for b in range(blocks):
+        h = f"transformer.h.{b}"
+        fc = [1250, 5000, 20000, 70000] if b == culprit else [sibling_peak] * 4
+        layers += [
+            layer(f"{h}.ln_1", "LayerNorm", fwd=[3, 3, 3, 3]),
+            layer(f"{h}.attn.c_attn", fwd=[9, 9, 9, 9]),
+            layer(f"{h}.attn", "CausalSelfAttention", fwd=[8, 8, 8, 8]),
+            layer(f"{h}.ln_2", "LayerNorm", fwd=[3, 3, 3, 3]),
+            layer(f"{h}.mlp.c_fc", fwd=fc),
+            layer(f"{h}.mlp.gelu", "GELU", fwd=fc),
+            layer(f"{h}.mlp.c_proj", fwd=[700, 700, 700, 7000]),
+            layer(f"{h}.mlp", "MLP", fwd=[700, 700, 700, 7000]),
+            layer(h, "Block", fwd=[710, 710, 710, 7010]),
+        ]
+    layers += [layer("transformer.ln_f", "LayerNorm", fwd=[3, 3, 3, 3]),
+               layer("lm_head", fwd=[9, 9, 9, 9])]
+    return trace_of(layers, 4, scaler=True, scale=65536.0, skipped={3}, fail=Failure(
+        3, "forward", f"transformer.h.{culprit}.mlp.c_fc", "output",
+        stats(70000.0, posinf=5, neginf=2)))
+
+
+@pytest.mark.parametrize(("blocks", "culprit", "ends"), [
+    (2, 0, ["transformer.h.1.ln_1", "transformer.ln_f"]),
+    (2, 1, ["transformer.h.1.ln_1", "transformer.ln_f"]),
+    (3, 0, ["transformer.h.*.ln_1", "transformer.ln_f"]),
+])
+def test_an_fp32_region_of_siblings_ends_at_each_instances_next_normalisation(
+        blocks, culprit, ends):
+    """Every instance the pattern runs in float32 needs its own end: the next block's ln_1,
+    and for the last block the model's ln_f."""
+    from nanhunt.analyse.remedies import attach_fixes
+    from nanhunt.experiment.fixspec import parse_fix
+
+    t = advised(gpt_trace(blocks, culprit))
+    r = rec(t, "fp32_module")
+    assert r.module == "transformer.h.*.mlp.c_fc"
+    region = r.data["region"]
+    assert region[0] == "transformer.h.*.mlp.c_fc"
+    assert region[-len(ends):] == ends
+    assert "transformer.h.*.mlp.c_proj" in region
+    for end in ends:
+        assert f'run_in_float32(model, "{end}", cast_to=torch.float16)' in r.snippet
+    attach_fixes(t)
+    spec = parse_fix(r.fix[0])
+    assert list(spec.patterns[len(spec.starts):]) == ends  # the installed fix ends there too
+
+
+def _scaler_trace(settings: dict | None) -> Trace:
+    t = trace_of([layer("fc", fwd=[1, 1])], 2, scaler=True, scale=1.0,
+                 grad_hist={"float16": {-30: 50, -20: 50}})
+    t.run.scaler_settings = settings
+    return t
+
+
+def test_init_scale_keeps_the_scripts_own_growth_interval():
+    """The script built GradScaler(growth_interval=1e9): the card says so, and the fix changes
+    only what it recommends (the init_scale)."""
+    from nanhunt.analyse.remedies import attach_fixes
+
+    t = advised(_scaler_trace({"init_scale": 1.0, "growth_factor": 2.0,
+                               "backoff_factor": 0.5, "growth_interval": 1000000000}))
+    r = rec(t, "init_scale")
+    assert r.data["growth_interval"] == 1000000000
+    assert not any("(the default)" in e for e in r.evidence)
+    assert any("growth_interval=1000000000 (the script's own)" in e for e in r.evidence)
+    assert "growth_interval=1000000000" in r.snippet
+    attach_fixes(t)
+    assert r.fix == ["init-scale=8589934592"]  # 2^33; the interval is the script's already
+
+
+def test_init_scale_with_unknown_settings_still_names_the_default():
+    r = rec(advised(_scaler_trace(None)), "init_scale")
+    assert any("growth_interval=2000 (the default)" in e for e in r.evidence)
+
+
+def test_a_wider_rung_that_verified_is_the_headline():
+    """Re-run verification tried init_scale 2^25 (failed), then 2^21 (verified): the card's
+    value, data and snippet are 2^21's."""
+    from nanhunt.analyse.remedies import attach_fixes, set_fix
+    from nanhunt.experiment.fixspec import parse_fix
+    from nanhunt.report import render_terminal
+
+    t = advised(_scaler_trace(None))
+    attach_fixes(t)
+    r = rec(t, "init_scale")
+    set_fix(r, t, [parse_fix(f"init-scale={2.0 ** 21}")])
+    assert (r.value, r.data["k"]) == (2.0**21, 21)
+    assert "init_scale=2.0**21" in r.snippet
+    out = io.StringIO()
+    render_terminal(t, Console(file=out, width=100, color_system=None))
+    head = next(line for line in out.getvalue().splitlines() if "init_scale ·" in line)
+    assert "2^21" in head and "2^33" not in head
+
+
+def test_fp32_master_weights_is_installable():
+    from nanhunt.analyse.remedies import attach_fixes
+    from nanhunt.trace import Recommendation
+
+    t = trace_of([layer("fc", fwd=[1, 1])], 2)
+    t.recommendations = [Recommendation(type="fp32_master_weights", value="Adam",
+                                        snippet="model = model.float()")]
+    attach_fixes(t)
+    r = t.recommendations[0]
+    assert r.fix == ["fp32-master"] and not r.code_change
+    assert "step_with_fp32_master(optimizer, masters)" in r.snippet

@@ -158,3 +158,49 @@ def test_layer_steps_match_numpy_binades():
         assert ls.forward.underflow_fraction == pytest.approx(under / a.size)
         assert ls.forward.amax == pytest.approx(a.max())
         assert ls.backward is not None  # the gradient w.r.t. its output
+
+
+def test_without_an_optimizer_evaluation_batches_are_no_steps():
+    """word_language_model's shape: a hand-written SGD update, a loss module, and an evaluation
+    pass (the model and the loss module under no_grad) after every few training batches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    criterion = nn.CrossEntropyLoss()
+    trained = 0
+    with nanhunt.watch() as hunt:
+        for _epoch in range(2):
+            for _ in range(4):
+                x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+                model.zero_grad()
+                criterion(model(x), y).backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(p.grad, alpha=-0.1)
+                trained += 1
+            model.eval()
+            with torch.no_grad():
+                for _ in range(3):
+                    criterion(model(torch.randn(5, 6)), torch.randint(0, 3, (5,)))
+            model.train()
+    assert trained == 8
+    assert [s.index for s in hunt.steps] == list(range(trained))
+    assert all(s.loss is not None for s in hunt.steps)
+
+
+def test_the_scripts_gradscaler_settings_are_recorded():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**9,
+                                  backoff_factor=0.25)
+    with nanhunt.watch() as hunt:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 4)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert hunt.trace().run.scaler_settings == {
+        "init_scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.25,
+        "growth_interval": 10**9}

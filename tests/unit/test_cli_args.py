@@ -34,3 +34,23 @@ def test_main_returns_2_on_usage_errors(capsys):
     assert main(["report", "/nonexistent/report.json"]) == 2
     assert main([]) == 2
     assert main(["--version"]) == 0
+
+
+def test_replay_of_a_missing_snapshot_is_one_line_before_torch_loads(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "snapshot.pt").mkdir()  # a folder is no snapshot either
+    (tmp_path / "snap.pt").write_bytes(b"")
+    code = ("import sys\nfrom nanhunt.cli import main\n"
+            "codes = [main(['replay', 'missing.pt']), main(['replay', 'snapshot.pt']),\n"
+            "         main(['replay', 'snap.pt', '--script', 'gone.py'])]\n"
+            "print(codes, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "[2, 2, 2] False", out.stderr
+    assert out.stderr.splitlines() == [
+        "nanhunt: no such snapshot: missing.pt",
+        "nanhunt: snapshot.pt is not a file",
+        "nanhunt: no such script: gone.py",
+    ]

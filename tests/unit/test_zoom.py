@@ -151,3 +151,54 @@ def test_stale_inputs_are_detected_not_trusted():
     trace = analyse(hunt.trace(), hunt.snapshot)
     assert any("changed in place after capture" in n for n in trace.notes)
     assert all(not r.verified for r in trace.recommendations)
+
+
+class Encoder(nn.Module):
+    """A user's model around torch's own TransformerEncoder: no user frame runs inside it."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.encoder(x)  # the user's call into torch's code
+        return self.head(h)
+
+
+def _train_half(model: nn.Module, batch, big: float) -> nanhunt.Hunt:
+    torch.manual_seed(0)
+    model = model.half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanhunt.watch() as hunt:
+        for step in range(3):
+            x = (batch() * (1.0 if step < 2 else big)).half()
+            out = model(x)  # the user's call of the whole model
+            loss = out.float().sum() * 100.0
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return hunt
+
+
+@pytest.mark.parametrize(("case", "phase"), [("encoder", "forward"), ("mlp", "backward")])
+def test_the_source_line_is_always_the_users(case, phase):
+    """A failure inside torch's TransformerEncoderLayer is named at the user's call of the
+    encoder (not at the first line of torch's forward that mentions the submodule, its
+    fast-path check); a backward failure in an nn.Sequential MLP at the user's call of the
+    model (not at the launcher's frame outside the replay)."""
+    if case == "encoder":
+        hunt = _train_half(Encoder(), lambda: torch.rand(5, 2, 16) * 2 - 1, 60000.0)
+        want = "h = self.encoder(x)  # the user's call into torch's code"
+    else:
+        mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        hunt = _train_half(mlp, lambda: torch.rand(64, 8), 300.0)
+        want = "out = model(x)  # the user's call of the whole model"
+    trace = analyse(hunt.trace(), hunt.snapshot)
+    f = trace.first_failure
+    assert (f.step, f.phase) == (2, phase)
+    assert f.op is not None
+    assert f.source == f"{__file__}:{_line(want)}", (f.module, f.source)
+    assert f.source_line == want
+    assert trace.ops and all(op.source == f"{f.source}  {want}" for op in trace.ops)
