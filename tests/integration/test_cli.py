@@ -23,6 +23,8 @@ SHOW = textwrap.dedent("""
     print("file", __file__)
     print("cwd", os.getcwd())
     print("path0", sys.path[0])
+    import warnings
+    warnings.warn("the script's own warning")  # names __file__ on stderr
     if __name__ == "__main__":
         sys.exit(int(sys.argv[-1]))
 """)
@@ -40,7 +42,7 @@ def _show_under_both(cwd: Path, cmd: list[str], env: dict[str, str],
         (cwd / name).parent.mkdir(parents=True, exist_ok=True)
         (cwd / name).write_text(text)
     script = cwd / "proj" / "show.py"
-    args = [str(script), *SHOW_ARGS]
+    args = ["proj/show.py", *SHOW_ARGS]  # relative, as typed: python's __file__ is absolute
     plain = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True)
     ours = subprocess.run([*cmd, "diagnose", "--verify", "0", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=180, env=env)
@@ -116,8 +118,11 @@ def test_script_sees_what_python_gives_it(nanhunt_cmd, runs):
     assert plain.returncode == 0
     assert ours.returncode == 0, ours.stderr
     assert ours.stdout == plain.stdout  # nanhunt leaves the script's stdout alone
-    assert "argv ['" + str(script) + "', '--lr', '1e-3', '--', '--out', 'x', '0']" \
-        in ours.stdout
+    assert "argv ['proj/show.py', '--lr', '1e-3', '--', '--out', 'x', '0']" in ours.stdout
+    assert f"file {script}\n" in ours.stdout
+    warning = plain.stderr.splitlines()[:2]
+    assert warning[0].startswith(f"{script}:") and "UserWarning" in warning[0]
+    assert ours.stderr.splitlines()[:2] == warning  # the same lines, the same path
 
 
 def test_sys_exit_code_passes_through(runs):

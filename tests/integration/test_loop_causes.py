@@ -306,7 +306,10 @@ def test_optimizer_eps_in_half_precision(runs, key, optim, cls):
     assert eps["verification"].startswith("checked by replaying the culprit")
     assert "every parameter finite" in eps["verification"]
     assert any("your eps 1e-08 is zero in float16" in e for e in eps["evidence"])
-    assert "model.float()" in r.rec("fp32_master_weights")["snippet"]
+    master = r.rec("fp32_master_weights")
+    assert master["fix"] == ["fp32-master"]  # installable: --fix fp32-master
+    assert "step_with_fp32_master(optimizer, masters)" in master["snippet"]
+    assert any("model.float()" in e for e in master["evidence"])
 
 
 # ----------------------------------------------------------------------------- norm eps

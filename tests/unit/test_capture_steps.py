@@ -160,14 +160,16 @@ def test_layer_steps_match_numpy_binades():
         assert ls.backward is not None  # the gradient w.r.t. its output
 
 
-def test_without_an_optimizer_evaluation_batches_are_no_steps():
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_without_an_optimizer_evaluation_batches_are_no_steps(mode):
     """word_language_model's shape: a hand-written SGD update, a loss module, and an evaluation
     pass (the model and the loss module under no_grad) after every few training batches."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     criterion = nn.CrossEntropyLoss()
     trained = 0
-    with nanhunt.watch() as hunt:
+    session = nanhunt.Hunt() if mode == "full" else nanhunt.sentinel(out=None)
+    with session as hunt:
         for _epoch in range(2):
             for _ in range(4):
                 x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
