@@ -335,7 +335,7 @@ class Recommendation:
     verified: bool = False  # a re-run of the script with the fix installed trained
     verification: str = ""  # what showed it (re-run, replay), or why it was not verified
     # how to apply it, for the replay: clamp {"where": "output", "bound"} or {"where": "input",
-    # "min"}; fp32_module {"modules", "region", "cast_to"}; see docs/rules.md
+    # "min"}; fp32_module {"modules", "region", "cast_to", "region_ends"}; see docs/rules.md
     data: dict[str, Any] = field(default_factory=dict)
     fix: list[str] = field(default_factory=list)  # the --fix specs that install it; [] = code
     helper: str = ""  # a function the snippet calls (renderers show each helper once)
@@ -501,6 +501,9 @@ class RunInfo:
     mode: str = "full"  # full | sentinel: how the steps were watched
     fixes: list[str] = field(default_factory=list)  # --fix specs installed in this run
     rerun: bool = False  # a verification re-run (NANHUNT_RERUN=1)
+    # the script's GradScaler as it built it: init_scale, growth_factor, backoff_factor,
+    # growth_interval (None: no scaler seen, or a report from before the field)
+    scaler_settings: dict[str, float] | None = None
 
 
 @dataclass

@@ -16,6 +16,7 @@ names and assuming the user's variables are called ``model``, ``optimizer``, ``s
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import json
 import math
@@ -355,6 +356,11 @@ def _growth_interval(trace: Trace) -> tuple[int, str]:
             f"growth_interval={interval} (twice the {spacing}-step spacing of growths) tries "
             "half as often"
         )
+    own = (trace.run.scaler_settings or {}).get("growth_interval")
+    if own is not None and int(own) != DEFAULT_GROWTH_INTERVAL:
+        return int(own), (
+            f"growth_interval={int(own)} (the script's own), kept: only the init_scale changes"
+        )
     return DEFAULT_GROWTH_INTERVAL, (
         f"growth_interval={DEFAULT_GROWTH_INTERVAL} (the default): the scaler still doubles the "
         "scale after that many clean steps and backs off, skipping one step, if it overflows"
@@ -446,8 +452,9 @@ def _fp32_module(trace: Trace, ctx: Context, finding: Finding) -> Recommendation
         exceeds = True
         evidence.append(f"its float32 values exceed {fmt.max:g}: casting them back makes inf")
     region = None
+    ends: list[str] = []
     if exceeds:
-        found = _region_end(ctx, instances[0])
+        found = _region_ends(ctx, target, instances[0])
         if found is None:
             evidence.append(
                 "no normalisation follows it in the trace: keep float32 until values are back "
@@ -455,14 +462,16 @@ def _fp32_module(trace: Trace, ctx: Context, finding: Finding) -> Recommendation
             )
             cast = None  # its output stays float32 for what follows
         else:
-            end, between = found
-            end_name = _same_shape(target, instances[0], end.module)
+            end, between, ends = found
             peak = ctx.forward_peak(end)
             back = f" (amax {_n(peak[1])} at step {peak[0]})" if peak else ""
-            region = [target, *between, end_name]
+            region = [target, *between, *ends]
+            others = [e for e in ends if e != _same_shape(target, instances[0], end.module)]
             evidence.append(
                 f"the float32 region must run through {end.module} ({end.type}), the next "
                 f"normalisation, where values are back in range{back}; cast back after it"
+                + (f"; for the other instances of {target}, through "
+                   f"{', '.join(others)}" if others else "")
             )
     evidence.append(
         "float32 for these instances only, not the whole class; autocast stays on elsewhere"
@@ -478,8 +487,51 @@ def _fp32_module(trace: Trace, ctx: Context, finding: Finding) -> Recommendation
             "modules": instances,
             "region": region or [target],
             "cast_to": fmt.name if cast else None,
+            **({"region_ends": len(ends)} if len(ends) > 1 else {}),
         },
     )
+
+
+def _region_ends(ctx: Context, target: str, first: str
+                 ) -> tuple[LayerStats, list[str], list[str]] | None:
+    """Where the float32 region of ``target`` ends: ``first``'s end (the next normalisation),
+    the modules between (``first``'s, where its values exceed the format) and an end for every
+    instance ``target`` runs in float32, in execution order (``blocks.*.ln_1`` for all blocks
+    but the last, ``ln_f`` after the last one), so that none stays float32 to the end."""
+    found = _region_end(ctx, first)
+    if found is None:
+        return None
+    end, between = found
+    between = [_same_shape(target, first, m) for m in between]
+    if target == first:
+        return end, between, [end.module]
+    kind = ctx.layer(first)
+    ends: list[str] = []
+    for layer in ctx.trace.layers:
+        if not fnmatch.fnmatchcase(layer.module, target) or (
+                kind is not None and layer.type != kind.type):
+            continue
+        one = end if layer.module == first else (_region_end(ctx, layer.module) or [None])[0]
+        if one is not None:  # (none: its values stay float32, never cast back to overflow)
+            ends.append(one.module)
+    ends.sort(key=lambda m: ctx.order.get(m, len(ctx.order)))
+    return end, _generalise(between), _generalise(
+        [_same_shape(target, first, m) if m == end.module else m for m in ends])
+
+
+def _generalise(names: list[str]) -> list[str]:
+    """``names`` in order without repeats, where two or more instances of one pattern
+    (``h.1.ln_1``, ``h.2.ln_1``) become the pattern (``h.*.ln_1``)."""
+    by_pattern: dict[str, set[str]] = {}
+    for n in names:
+        by_pattern.setdefault(module_pattern(n), set()).add(n)
+    out: list[str] = []
+    for n in names:
+        p = module_pattern(n)
+        name = p if len(by_pattern[p]) > 1 else n
+        if name not in out:
+            out.append(name)
+    return out
 
 
 def _same_shape(pattern: str, instance: str, other: str) -> str:
@@ -950,6 +1002,8 @@ def _fp32_master_weights(trace: Trace, ctx: Context, finding: Finding) -> Recomm
             "(m, v) and its eps live in that format too",
             "with float32 weights the optimizer computes in float32, and autocast still runs "
             "matmuls and convolutions in float16",
+            "or keep the whole model in float32: model.float(), the forward under "
+            "torch.autocast with a GradScaler",
         ],
     )
 

@@ -11,6 +11,7 @@ model; an eps or floor from the target's smallest normal up by factors of ten.
 
 from __future__ import annotations
 
+import math
 import re
 
 from nanhunt.analyse.diagnose import is_loss_type, module_pattern
@@ -21,12 +22,13 @@ from nanhunt.trace import Recommendation, Trace
 __all__ = ["attach_fixes", "ladder", "verify_order"]
 
 #: types a fix spec installs; the others need a code change
-_INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "lower_lr")
+_INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "lower_lr",
+                "fp32_master_weights")
 #: which recommendation types re-run verification tries first (most likely to cure first):
 #: a floor removes the invalid op (an eps too, when the module has one), float32 keeps the
 #: values, a clamp only bounds a symptom
-_PRIORITY = {"clamp_op": 0, "eps": 1, "fp32_module": 2, "init_scale": 3, "clip_grad_norm": 4,
-             "lower_lr": 5, "clamp": 6}
+_PRIORITY = {"clamp_op": 0, "eps": 1, "fp32_module": 2, "fp32_master_weights": 2,
+             "init_scale": 3, "clip_grad_norm": 4, "lower_lr": 5, "clamp": 6}
 _DEFAULT_GROWTH_INTERVAL = 2000
 
 
@@ -54,7 +56,8 @@ def specs_for(rec: Recommendation, trace: Trace) -> list[FixSpec]:
         if len(region) == 1:
             text = f"fp32:{region[0]}" if d.get("cast_to") else f"fp32:{region[0]}.."
         else:
-            text = f"fp32:{','.join(region[:-1])}..{region[-1]}"
+            n = min(max(int(d.get("region_ends", 1)), 1), len(region) - 1)
+            text = f"fp32:{','.join(region[:-n])}..{','.join(region[-n:])}"
         return [parse_fix(text)]
     if rec.type == "clamp":
         where = d.get("where", "output")
@@ -71,13 +74,16 @@ def specs_for(rec: Recommendation, trace: Trace) -> list[FixSpec]:
     if rec.type == "init_scale" and trace.run.scaler:
         specs = [parse_fix(f"init-scale={number(float(rec.value))}")]
         interval = d.get("growth_interval")
-        if interval and int(interval) != _DEFAULT_GROWTH_INTERVAL:
+        own = (trace.run.scaler_settings or {}).get("growth_interval", _DEFAULT_GROWTH_INTERVAL)
+        if interval and int(interval) != int(own):  # only what differs from the script's
             specs.append(parse_fix(f"growth-interval={int(interval)}"))
         return specs
     if rec.type == "clip_grad_norm":
         return [parse_fix(f"clip={number(float(rec.value))}")]
     if rec.type == "lower_lr":
         return [parse_fix(f"lr-factor={number(float(rec.value))}")]
+    if rec.type == "fp32_master_weights":
+        return [parse_fix("fp32-master")]
     return []
 
 
@@ -100,8 +106,38 @@ def context(trace: Trace, rec: Recommendation | None = None) -> SnippetContext:
                           source_line=f.source_line if same else None)
 
 
+#: recommendation type -> the spec kinds whose value is the recommendation's value
+_VALUE_OF = {"init_scale": ("init-scale",), "clip_grad_norm": ("clip",),
+             "lower_lr": ("lr-factor",), "eps": ("eps", "opt-eps"), "clamp": ("clamp", "floor")}
+
+
+def _take_values(rec: Recommendation, specs: list[FixSpec]) -> None:
+    """The recommendation's value and data are what ``specs`` install: after re-run
+    verification settles on a wider rung (init_scale 2^21 where 2^25 failed), the card heads
+    with the value that was verified, not the one first computed."""
+    for spec in specs:
+        if spec.kind in _VALUE_OF.get(rec.type, ()) and spec.value is not None:
+            rec.value = spec.value
+            if spec.kind == "init-scale":
+                k = math.log2(spec.value) if spec.value > 0 else None
+                if k is not None and k.is_integer():
+                    rec.data["k"] = int(k)
+            elif spec.kind == "clamp":
+                rec.data["bound"] = spec.value
+            elif spec.kind == "floor":
+                rec.data["min"] = spec.value
+        elif spec.kind == "growth-interval" and rec.type == "init_scale" and spec.value:
+            rec.data["growth_interval"] = int(spec.value)
+        elif spec.kind == "fp32" and rec.type == "fp32_module" and spec.patterns:
+            region = list(spec.patterns)
+            if region != (rec.data.get("region") or [rec.module]):
+                rec.value = region if len(region) > 1 else region[0]
+
+
 def set_fix(rec: Recommendation, trace: Trace, specs: list[FixSpec]) -> None:
-    """Make ``specs`` the recommendation's fix, with the snippet generated from them."""
+    """Make ``specs`` the recommendation's fix, with the snippet generated from them; its
+    value becomes theirs."""
+    _take_values(rec, specs)
     rec.fix = [str(s) for s in specs]
     snip = snippet(specs, context(trace, rec))
     rec.snippet, rec.helper = snip.code, snip.helper

@@ -196,6 +196,28 @@ def user_frame() -> tuple[str | None, str | None]:
     return None, None
 
 
+def module_caller() -> tuple[str, int, str] | None:
+    """``(file, line, text)`` of the code calling the module whose hook runs now: the first
+    frame outside nanhunt's hooks and torch's module machinery; None when that is nanhunt's
+    own code (a replay) or no source file (the interpreter's)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_THIS_PACKAGE_DIR):
+        frame = frame.f_back  # the hook itself
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back  # Module.__call__
+    if frame is None:
+        return None
+    fname = frame.f_code.co_filename
+    if fname.startswith(_THIS_PACKAGE_DIR) or fname.startswith("<"):
+        return None
+    return fname, frame.f_lineno, linecache.getline(fname, frame.f_lineno).strip()
+
+
+def is_library_file(fname: str) -> bool:
+    """torch's or nanhunt's own code: never the line a report names as the user's."""
+    return fname.startswith((_THIS_PACKAGE_DIR, _TORCH_DIR))
+
+
 def _owner_of(module: nn.Module) -> nn.Module:
     """The largest model in the user's reach that contains ``module``: a submodule called
     through a method of its model (``vae.decode(z)`` runs ``vae.decoder``) is named inside it."""

@@ -186,7 +186,7 @@ class RootWatch(Part):
         if call.autocast[0]:
             s.autocast_seen = True
         if not grad_on and not (s.cur.did_backward or s._saw_optimizer or s.scaler_seen
-                                or s._optimizer_exists):
+                                or s._optimizer_exists or s._trained):
             s._end_step()  # inference only: each call of the model is a step
 
 

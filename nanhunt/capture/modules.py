@@ -19,6 +19,7 @@ from nanhunt.capture._util import (
     _safe,
     _skip,
     _version,
+    module_caller,
 )
 from nanhunt.capture.state import Part, _Call, _Frame, _Meta
 
@@ -66,7 +67,8 @@ class ModuleObserver(Part):
         name = self.s.naming.name_of(module, self.cur.frames)
         call = len(self.cur.calls)
         parent = self.cur.frames[-1].call if self.cur.frames else None
-        self.cur.calls.append(_Call(call, module, name, parent))
+        self.cur.calls.append(_Call(call, module, name, parent,
+                                    site=module_caller() if parent is None else None))
         versions = [(t, _version(t)) for t in args if isinstance(t, torch.Tensor)]
         self.cur.frames.append(_Frame(module, name, call, self.cur.next_order(), versions))
 
@@ -162,7 +164,8 @@ class ModuleObserver(Part):
                 s.autocast_seen = True
         s.devices.add(outs[0][1].device.type if outs else "cpu")
         if parent is None and not grad_on and not (cur.did_backward or s._saw_optimizer
-                                                   or s.scaler_seen or s._optimizer_exists):
+                                                   or s.scaler_seen or s._optimizer_exists
+                                                   or s._trained):
             # inference only: each call of the model is a step (with an optimizer built, a
             # no-grad call is evaluation between training steps, as a framework's sanity check)
             s._end_step()

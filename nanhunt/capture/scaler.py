@@ -52,6 +52,12 @@ class ScalerObserver(Part):
         if not (self.s._active and scaler.is_enabled() and scaler._scale is not None):
             return False
         self.s.scaler_seen = True
+        if self.s.scaler_settings is None:  # as the script built it (advice keeps its choices)
+            self.s.scaler_settings = {
+                "init_scale": float(scaler._init_scale),
+                "growth_factor": float(scaler._growth_factor),
+                "backoff_factor": float(scaler._backoff_factor),
+                "growth_interval": int(scaler._growth_interval)}
         found = [f for s in scaler._per_optimizer_states.values()
                  for f in s["found_inf_per_device"].values()]
         if found and not self.cur.step_scaler and self.cur.did_backward:

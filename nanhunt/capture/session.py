@@ -136,10 +136,14 @@ class Session:
         self.devices: set[str] = set()
         self.autocast_seen = False
         self.scaler_seen = False
+        self.scaler_settings: dict[str, float] | None = None
         self._active = False
         self._step = self.first_step  # a framework's step count (resumed runs start past 0)
         self._stop_pending = False
         self._saw_optimizer = False
+        # a step before this one ran a backward: the run trains, so a no-grad forward is
+        # evaluation between training steps, not an inference step (loops with no optimizer)
+        self._trained = False
         self._optimizer_ran_step = -1
         self._unscaled_step = -1
         # the step scaler.update() ended, and the parameters whose gradients it scaled: an
@@ -252,7 +256,10 @@ class Session:
                     self.cur.transferred = True
                     self.recorder.flush(self._step - 1, {})
                 else:
-                    self._flush()
+                    # a step cut between its backward and its optimizer step (Ctrl-C, a
+                    # crash) has no gradient norm: its gradients are still multiplied by
+                    # GradScaler's scale, or not yet clipped or reduced
+                    self._flush(norm=not self._cut_short())
         finally:
             self._active = False
             self.cur.clear_handles()
@@ -272,9 +279,14 @@ class Session:
         backward, no optimizer or scaler step) after training steps: not a training step."""
         cur = self.cur
         trained = self._step > 0 and (self._saw_optimizer or self._optimizer_exists
-                                      or self.scaler_seen)
+                                      or self.scaler_seen or self._trained)
         return trained and not (cur.trains or cur.did_backward or cur.step_scaler
                                 or self._optimizer_ran_step == self._step)
+
+    def _cut_short(self) -> bool:
+        """The step in flight ran a backward but not the optimizer step it was for."""
+        return self.cur.did_backward and self._optimizer_ran_step != self._step and (
+            self._saw_optimizer or self._optimizer_exists or self.scaler_seen)
 
     def __enter__(self) -> Session:
         return self.start()
@@ -387,6 +399,7 @@ class Session:
         rec = self.recorder.step_record(self._step)
         rec.traced = self.cur.traced
         rec.lr = self._current_lr()
+        self._trained = self._trained or self.cur.did_backward
         self.cur.clear_handles()
         if self.on_step is not None:
             self.on_step(self.recorder.step_records[self._step], self)
@@ -430,6 +443,7 @@ class Session:
         run.dtypes = sorted(self.dtypes)
         run.autocast = run.autocast or self.autocast_seen
         run.scaler = run.scaler or self.scaler_seen
+        run.scaler_settings = run.scaler_settings or self.scaler_settings
         if not run.device:
             run.device = ", ".join(sorted(self.devices)) or "cpu"
         failure = copy.deepcopy(self.first_failure)

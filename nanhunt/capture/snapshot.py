@@ -13,6 +13,7 @@ from nanhunt.capture._util import (
     _call_leaves,
     _clone_tree,
     _leaves,
+    is_library_file,
     map_tensors,
 )
 from nanhunt.capture.state import Part, Snapshot, _Call, _StepData
@@ -160,23 +161,18 @@ class Snapshots(Part):
         return out
 
     def call_site(self, call: _Call) -> tuple[str, int, str] | None:
-        """The line in the parent's forward that calls the culprit (file, line, text)."""
-        if call.parent is None:
-            return None
-        parent = self.cur.calls[call.parent].module
-        attr = call.name.rsplit(".", 1)[-1]
-        parts = call.name.split(".")
-        if attr.isdigit() and len(parts) >= 2:  # a ModuleList / Sequential element
-            attr = parts[-2]
-        try:
-            lines, start = inspect.getsourcelines(type(parent).forward)
-            fname = inspect.getsourcefile(type(parent).forward) or ""
-        except (OSError, TypeError):
-            return None
-        for i, line in enumerate(lines):
-            if f"self.{attr}" in line:
-                return fname, start + i, line.strip()
-        return None
+        """The user's line that makes the culprit's call (file, line, text): in the forward of
+        the nearest enclosing module whose code is the user's (torch's TransformerEncoderLayer
+        is not), the line that calls the child leading to the culprit; with none, the line
+        that called the model."""
+        child = call
+        while child.parent is not None:
+            up = self.cur.calls[child.parent]
+            found = _line_calling(up, child)
+            if found is not None:
+                return found
+            child = up
+        return child.site
 
     def bad_samples(self, call: _Call) -> None:
         for path, t in _call_leaves(call.args, call.kwargs):
@@ -188,3 +184,23 @@ class Snapshots(Part):
             idx = torch.nonzero(bad).flatten().tolist()
             if idx:
                 self.s.failure_extra.setdefault("bad_samples", {})[path] = idx[:100]
+
+
+def _line_calling(parent: _Call, child: _Call) -> tuple[str, int, str] | None:
+    """The line of ``parent``'s forward that calls ``child`` (its attribute, or the
+    container holding it: ``self.layers`` for ``layers.3``), when that forward is user code."""
+    try:
+        fname = inspect.getsourcefile(type(parent.module).forward) or ""
+        lines, start = inspect.getsourcelines(type(parent.module).forward)
+    except (OSError, TypeError):
+        return None
+    if not fname or is_library_file(fname):
+        return None
+    rel = child.name[len(parent.name) + 1:] if parent.name and child.name.startswith(
+        parent.name + ".") else child.name
+    attr = rel.split(".")[0]
+    for needle in (f"self.{attr}(", f"self.{attr}"):  # the call first, else any mention
+        for i, line in enumerate(lines):
+            if needle in line:
+                return fname, start + i, line.strip()
+    return None

@@ -52,6 +52,7 @@ class _Call:
     autocast: tuple[bool, torch.dtype | None] = (False, None)
     output_rows: list[int] = field(default_factory=list)
     mutated_inputs: list[str] = field(default_factory=list)  # changed in place by the call
+    site: tuple[str, int, str] | None = None  # a root call's caller (file, line, text)
 
 
 @dataclass

@@ -342,6 +342,12 @@ def cmd_replay(argv: Sequence[str]) -> int:
                    default="as-captured", help="replay precision (default: %(default)s)")
     p.add_argument("--script", help="the training script that defines the module's class")
     opts = p.parse_args(list(argv))
+    # before torch loads (seconds): a wrong path is one line at once
+    for path, what in ((opts.snapshot, "snapshot"), (opts.script, "script")):
+        if path is not None and not Path(path).exists():
+            raise NanhuntError(f"no such {what}: {path}")
+        if path is not None and not Path(path).is_file():
+            raise NanhuntError(f"{path} is not a file")
     from nanhunt.replay.zoom import load_snapshot, print_replay, replay
 
     snap = load_snapshot(opts.snapshot, script=opts.script)

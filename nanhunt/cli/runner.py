@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import builtins
+import importlib.machinery
+import io
 import os
 import runpy
 import sys
 import traceback
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -96,7 +100,10 @@ def run_target(target: Target, stop_exc: type[BaseException]) -> Outcome:
     try:
         if target.script is not None:
             sys.path[0] = str(Path(target.script).resolve().parent)
-            runpy.run_path(target.script, run_name="__main__")
+            if Path(target.script).is_file():
+                _run_file(target.script)
+            else:  # a folder or zip with a __main__.py
+                runpy.run_path(target.script, run_name="__main__")
         else:
             sys.path[0] = os.getcwd()
             sys.argv[0] = "-m"  # runpy fills in the module's file
@@ -123,6 +130,27 @@ def run_target(target: Target, stop_exc: type[BaseException]) -> Outcome:
         if saved_path0 is not None:
             sys.path[0] = saved_path0
     return Outcome("complete", 0, None)
+
+
+def _run_file(script: str) -> None:
+    """``python script.py``: the code runs as ``__main__`` in a fresh module, compiled under
+    the path python gives it (absolute since Python 3.9: the working folder joined to the
+    path as typed, not normalised), which ``__file__``, warnings and tracebacks show, while
+    ``sys.argv[0]`` stays as typed (``runpy.run_path`` would set both to the same path)."""
+    path = script if os.path.isabs(script) else os.path.join(os.getcwd(), script)
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+                         __builtins__=builtins)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main  # pickle finds the script's classes as python would
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
 
 
 def _user_frames(tb: TracebackType | None) -> list[traceback.FrameSummary]:

@@ -13,6 +13,7 @@ stood in for while the replays run (``_state.py``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from nanhunt.capture.naming import Naming
 from nanhunt.formats import get_format
 from nanhunt.precision._observe import Measured, Observer, Plan, energies, is_gemm, round_to
 from nanhunt.precision._state import ModuleState, module_state_kept
-from nanhunt.precision._tape import Entry, Tape, rng_kept
+from nanhunt.precision._tape import Entry, Tape, autocast_pinned, rng_kept
 from nanhunt.trace import PrecisionAudit, PrecisionLayer, PrecisionLoss
 
 __all__ = ["Auditor"]
@@ -102,6 +103,7 @@ class Auditor:
         low_params = {p.dtype for e in entries if e.module for p in e.fn.parameters()
                       if p.dtype in _LOW}
         auto = {d for e in entries for on, d in e.autocast.values() if on and d in _LOW}
+        auto |= {d for d in self.observer.run_autocast if d in _LOW}
         run_low = next(iter(auto or low_params), None)
         run_name = _LOW.get(run_low) if run_low is not None else None
         kind = _device_kind(entries)
@@ -241,10 +243,20 @@ class Auditor:
                 return t.detach().to(plan.input_to, copy=True)
             return t.detach().clone()
 
+        # what the code inside enters (a forward wrapped in autocast) follows the replay too:
+        # the float32 reference stays float32, a simulated target computes in the target
+        if plan is None or plan.fp8 is not None:
+            pinned = autocast_pinned(None)
+        elif plan.autocast_dtype is not None:
+            pinned = autocast_pinned(plan.autocast_dtype)
+        else:
+            pinned = contextlib.nullcontext()
         self.observer.begin("float32" if plan is None else "target", plan, analyse=analyse)
         try:
-            env = self.tape.replay(entries, params=lambda e: self._params(plan, e.fn, e.state),
-                                   autocast=autocast, inputs=inputs)
+            with pinned:
+                env = self.tape.replay(entries,
+                                       params=lambda e: self._params(plan, e.fn, e.state),
+                                       autocast=autocast, inputs=inputs)
         finally:
             seen = self.observer.end()
         return seen, env

@@ -45,11 +45,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 from nanhunt.capture._util import _in_backward, _skip
 from nanhunt.formats import NumberFormat
 from nanhunt.precision._state import ModuleState, rebind
-from nanhunt.precision._tape import cast_floating, rng_state, set_rng_state
+from nanhunt.precision._tape import autocast_pinned, cast_floating, rng_state, set_rng_state
 
 __all__ = ["Observer", "Plan", "energies", "round_to"]
 
 Key = tuple[str, int]
+_KINDS = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 @dataclass
@@ -228,6 +229,9 @@ class Observer:
         self.original: dict[int, dict[str, torch.Tensor]] = {}  # id(module) -> own params
         self.seen = Measured()
         self._handles: list[Any] = []
+        # autocast dtypes the user's recorded calls ran under, at any depth (accelerate wraps
+        # the model's forward in autocast: the model's own call is made with autocast off)
+        self.run_autocast: set[torch.dtype] = set()
 
     def install(self) -> None:
         if not self._handles:
@@ -257,6 +261,9 @@ class Observer:
         if self.phase == "record":
             if _in_backward() or _skip():
                 return None  # an activation-checkpoint recompute, a Dynamo trace: not calls
+            for kind in _KINDS:  # inside the model too: a forward may enter autocast itself
+                if torch.is_autocast_enabled(kind):
+                    self.run_autocast.add(torch.get_autocast_dtype(kind))
             if self.depth == 0:
                 # where the call starts from: replays start from there too
                 self._root_rng.append((rng_state(), ModuleState.capture(module)))
@@ -339,9 +346,11 @@ class Observer:
             with contextlib.ExitStack() as stack:
                 for kind in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
                     stack.enter_context(torch.autocast(device_type=kind, enabled=False))
+                stack.enter_context(autocast_pinned(None))  # also where forward enters it
                 stack.enter_context(torch.no_grad())
                 stack.enter_context(stats)
-                ref = functional_call(module, params, frame.args32, kw32, strict=False)
+                ref = functional_call(module, params, frame.args32, kw32, strict=False,
+                                      tie_weights=False)
             sig = noise = 0.0
             bad = 0
             ref_leaves = _leaves(ref)

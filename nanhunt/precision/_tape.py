@@ -24,8 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from nanhunt.precision._state import rebind
 
-__all__ = ["Entry", "Tape", "cast_floating", "cuda_devices", "rng_kept", "rng_state",
-           "set_rng_state"]
+__all__ = ["Entry", "Tape", "autocast_pinned", "cast_floating", "cuda_devices", "rng_kept",
+           "rng_state", "set_rng_state"]
 
 # in-place calls that return nothing useful: their first argument is what they produce
 _INPLACE_NONE = {"__setitem__"}
@@ -94,6 +94,34 @@ def autocast_as(state: dict[str, tuple[bool, torch.dtype]]) -> Iterator[None]:
         for kind, (enabled, dtype) in state.items():
             stack.enter_context(torch.autocast(device_type=kind, dtype=dtype, enabled=enabled))
         yield
+
+
+@contextlib.contextmanager
+def autocast_pinned(dtype: torch.dtype | None) -> Iterator[None]:
+    """Autocast as a replay needs it, also inside code that enters autocast itself (a forward
+    wrapped in ``torch.autocast``, as accelerate wraps it for transformers' ``--bf16``).
+
+    ``None``: autocast stays off, whatever the code enters (a float32 reference); a dtype:
+    every autocast the code enters computes in it (a simulated target). Every enter and exit
+    of ``torch.autocast`` goes through ``torch.set_autocast_enabled``/``_dtype``, so the two are
+    pinned for the block and put back, the exact objects, after it.
+    """
+    set_enabled, set_dtype = torch.set_autocast_enabled, torch.set_autocast_dtype
+
+    def enabled(*args: Any) -> None:  # (device, enabled) or the deprecated (enabled)
+        set_enabled(*args[:-1], False)
+
+    def dtype_(device: str, _dtype: torch.dtype) -> None:
+        set_dtype(device, dtype)
+
+    try:
+        if dtype is None:
+            torch.set_autocast_enabled = enabled
+        else:
+            torch.set_autocast_dtype = dtype_
+        yield
+    finally:
+        torch.set_autocast_enabled, torch.set_autocast_dtype = set_enabled, set_dtype
 
 
 def cast_floating(tree: Any, dtype: torch.dtype | None, *, copy: bool = False) -> Any:
@@ -195,7 +223,10 @@ class Tape:
                 if e.module:
                     before = e.state.apply() if e.state is not None else []
                     try:
-                        out = functional_call(e.fn, params(e), args, kwargs, strict=False)
+                        # tie_weights=False: every name gets its own value (a tied weight
+                        # has one per module using it, cast for that module's precision)
+                        out = functional_call(e.fn, params(e), args, kwargs, strict=False,
+                                              tie_weights=False)
                     finally:
                         rebind(before)
                 else:

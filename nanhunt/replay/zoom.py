@@ -95,7 +95,9 @@ def _node_source() -> tuple[str | None, str | None]:
         line = line.strip()
         if line.startswith('File "'):
             fname = line.split('"')[1]
-            if not (fname.startswith(_TORCH_DIR) or fname.startswith(_OUR_DIR)
+            if fname.startswith(_OUR_DIR):
+                best = None  # outermost first: frames before the replay's own are not in it
+            elif not (fname.startswith(_TORCH_DIR)
                     or fname.startswith("<")):  # (<frozen runpy>: the interpreter's own)
                 try:
                     lineno = int(line.split("line ")[1].split(",")[0])

@@ -640,7 +640,7 @@ def test_an_fp32_region_of_siblings_ends_at_each_instances_next_normalisation(
     """Every instance the pattern runs in float32 needs its own end: the next block's ln_1,
     and for the last block the model's ln_f."""
     from nanhunt.analyse.remedies import attach_fixes
-    from nanhunt.experiment.fixspec import parse_fix
+    from nanhunt.fixspec import parse_fix
 
     t = advised(gpt_trace(blocks, culprit))
     r = rec(t, "fp32_module")
@@ -688,7 +688,7 @@ def test_a_wider_rung_that_verified_is_the_headline():
     """Re-run verification tried init_scale 2^25 (failed), then 2^21 (verified): the card's
     value, data and snippet are 2^21's."""
     from nanhunt.analyse.remedies import attach_fixes, set_fix
-    from nanhunt.experiment.fixspec import parse_fix
+    from nanhunt.fixspec import parse_fix
     from nanhunt.report import render_terminal
 
     t = advised(_scaler_trace(None))
@@ -696,7 +696,7 @@ def test_a_wider_rung_that_verified_is_the_headline():
     r = rec(t, "init_scale")
     set_fix(r, t, [parse_fix(f"init-scale={2.0 ** 21}")])
     assert (r.value, r.data["k"]) == (2.0**21, 21)
-    assert "init_scale=2.0**21" in r.snippet
+    assert "init_scale=2097152)" in r.snippet  # 2^21
     out = io.StringIO()
     render_terminal(t, Console(file=out, width=100, color_system=None))
     head = next(line for line in out.getvalue().splitlines() if "init_scale ·" in line)

@@ -35,7 +35,7 @@ def _interrupted_run(cut_at: int):
 
 
 def test_the_interrupted_steps_scaled_gradients_are_not_its_norm():
-    hunt, model, scaler = _interrupted_run(cut_at=6)
+    hunt, model, _scaler = _interrupted_run(cut_at=6)
     steps = hunt.steps
     assert [s.index for s in steps] == list(range(7))  # the cut step is still a step
     assert steps[-1].loss is not None
