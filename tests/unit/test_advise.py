@@ -650,7 +650,7 @@ def test_an_fp32_region_of_siblings_ends_at_each_instances_next_normalisation(
     assert region[-len(ends):] == ends
     assert "transformer.h.*.mlp.c_proj" in region
     for end in ends:
-        assert f'run_in_float32(model, "{end}", cast_to=torch.float16)' in r.snippet
+        assert f'run_in_float32(model, "{end}", cast_back=torch.float16)' in r.snippet
     attach_fixes(t)
     spec = parse_fix(r.fix[0])
     assert list(spec.patterns[len(spec.starts):]) == ends  # the installed fix ends there too
@@ -674,7 +674,7 @@ def test_init_scale_keeps_the_scripts_own_growth_interval():
     assert r.data["growth_interval"] == 1000000000
     assert not any("(the default)" in e for e in r.evidence)
     assert any("growth_interval=1000000000 (the script's own)" in e for e in r.evidence)
-    assert "growth_interval=1000000000" in r.snippet
+    assert "keep your other arguments" in r.snippet  # growth_interval among them
     attach_fixes(t)
     assert r.fix == ["init-scale=8589934592"]  # 2^33; the interval is the script's already
 
