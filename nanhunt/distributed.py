@@ -297,9 +297,10 @@ def read_rank_file(path: Path) -> RankResult | None:
 
 
 def merge_rank_files(
-    out_dir: Path, world_size: int, *, newer_than: float | None = None
+    out_dir: Path, world_size: int, *, newer_than: float | None = None, run_id: str | None = None
 ) -> Trace | None:
-    """Merge the rank files in ``OUT/ranks`` (files older than ``newer_than`` are ignored)."""
+    """Merge the rank files in ``OUT/ranks`` (files older than ``newer_than``, or of another
+    run than ``run_id``, are ignored)."""
     results = []
     for r in range(world_size):
         path = rank_file(out_dir, r)
@@ -307,7 +308,7 @@ def merge_rank_files(
             if newer_than is not None and path.stat().st_mtime < newer_than:
                 continue
         res = read_rank_file(path)
-        if res is not None and res.rank == r:
+        if res is not None and res.rank == r and (run_id is None or res.run_id == run_id):
             results.append(res)
     if not results:
         return None
@@ -366,8 +367,13 @@ class RankContext:
     ended: float | None = None
     terminated_at: float | None = None
     _store: Any = field(default=None, repr=False)
+    _out_dir: Path | None = field(default=None, repr=False)
     _voted: int = -1  # the last step this rank voted on
     _voting: bool = True
+    #: a worker the script started itself (torch.multiprocessing): its parent merges the ranks
+    parent_merges: bool = False
+    #: the parent of such workers: (number of workers, their group's run id, when they started)
+    workers: tuple[int, str, float] | None = None
 
     @classmethod
     def from_env(cls, out_dir: Path | None = None) -> RankContext:
@@ -398,10 +404,39 @@ class RankContext:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or self.workers is not None
+
+    @property
+    def writes_report(self) -> bool:
+        """This process writes the merged report: rank 0, or the parent of spawned workers."""
+        return self.rank == 0 and not self.parent_merges
+
+    def add_workers(self, nprocs: int, run_id: str, started: float, out_dir: Path) -> None:
+        """The script started ``nprocs`` workers (``torch.multiprocessing``): the report is
+        theirs, merged from their rank files (the last group's, when it starts several)."""
+        if self.workers is not None:
+            self.notes.append(
+                f"the script started workers more than once; this report covers the last "
+                f"{nprocs} (torch.multiprocessing)")
+        self.workers = (nprocs, run_id, started)
+        self._out_dir = Path(out_dir)
+
+    def workers_stopped(self) -> bool:
+        """Whether nanhunt stopped the last group of workers (a failure on some rank)."""
+        if self.workers is None or self._out_dir is None:
+            return False
+        nprocs, run_id, _ = self.workers
+        for r in range(nprocs):
+            res = read_rank_file(rank_file(self._out_dir, r))
+            if res is not None and res.run_id == run_id and res.trace.run.status == "stopped":
+                return True
+        return False
 
     def rank_dir(self, out_dir: Path) -> Path:
-        """Where this rank's own artefacts (the culprit snapshot) go: ``OUT/ranks/rank-<r>``."""
+        """Where this rank's own artefacts (the culprit snapshot) go: ``OUT/ranks/rank-<r>``
+        (the parent of spawned workers keeps its own in ``OUT``)."""
+        if self.workers is not None:
+            return Path(out_dir)
         path = Path(out_dir) / "ranks" / f"rank-{self.rank}"
         path.mkdir(parents=True, exist_ok=True)
         return path
@@ -506,6 +541,8 @@ class RankContext:
         """Write this rank's file; on rank 0 return the merged trace, elsewhere ``trace``."""
         if not self.distributed:
             return trace
+        if self.workers is not None:
+            return self._merge_workers(trace, out_dir)
         self.leave()
         own = RankResult(
             rank=self.rank,
@@ -528,17 +565,47 @@ class RankContext:
         except (OSError, NanhuntError) as exc:  # the store may still carry it to rank 0
             own.trace.notes.append(f"rank {self.rank} could not write {path}: {exc}")
             payload = _payload(own, self.world_size)
-        store = self._get_store()
+        # a spawned worker's parent reads the files (one node); the store may be gone with rank 0
+        store = None if self.parent_merges else self._get_store()
         if store is not None:
             with contextlib.suppress(Exception):
                 store.set(f"trace/{self.rank}", zlib.compress(payload.encode("utf-8")))
-        if self.rank != 0:
+        if not self.writes_report:
             return trace
         results = self._collect(own, out_dir, store)
         reason = f"within {self.timeout:g} s ({RANK_TIMEOUT_ENV})"
         if self.terminated_at is not None:
             reason = "before torchrun stopped the workers (it does once one fails or is killed)"
         return merge_traces(results.values(), self.world_size, missing_reason=reason)
+
+    def _merge_workers(self, own: Trace, out_dir: Path) -> Trace:
+        """The parent of spawned workers: their rank files merged, with how the parent's own
+        script ended (a crash after the workers finished is the run's crash)."""
+        assert self.workers is not None
+        nprocs, run_id, started = self.workers
+        merged = merge_rank_files(out_dir, nprocs, newer_than=started - 1, run_id=run_id)
+        if merged is None:
+            own.notes.append(
+                f"the script started {nprocs} workers (torch.multiprocessing) but none wrote a "
+                "report (killed before it could)")
+            return own
+        parent = own.run
+        if parent.status in _ENDED and merged.run.status not in _ENDED:
+            merged.run.status, merged.run.error = parent.status, parent.error
+        elif parent.status == "stopped" and merged.run.status not in _ENDED:
+            merged.run.status = "stopped"
+        merged.run.exit_code = parent.exit_code
+        merged.run.finished = parent.finished
+        merged.run.world_size = nprocs
+        merged.notes.insert(0, (
+            f"the script started {nprocs} workers itself (torch.multiprocessing); each ran under "
+            "its own nanhunt session, and rank r is the worker with index r"))
+        if own.steps:
+            merged.notes.append(
+                f"the parent process ran {len(own.steps)} training steps of its own; they are "
+                "not in this report")
+        merged.notes.extend(n for n in [*own.notes, *self.notes] if n not in merged.notes)
+        return merged
 
     def exit_code(self, code: int, trace: Trace) -> int:
         """The process's exit code. Rank 0's carries the merged result. Another rank that found a

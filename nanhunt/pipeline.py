@@ -104,7 +104,7 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
     except Exception as exc:
         trace = Trace(run=run, notes=[f"building the trace failed: {type(exc).__name__}: {exc}"])
         trace.problem = hunt.first_failure is not None
-    distributed = ctx is not None and ctx.world_size > 1
+    distributed = ctx is not None and ctx.distributed
     if distributed:
         ctx.leave()  # peers waiting for this rank's next step-end vote stop now
     # each rank keeps its own snapshot (OUT/ranks/rank-<r>/); rank 0 merges, only it reports
@@ -131,7 +131,7 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
                 ctrl_c.raising = False  # writing the report is not interrupted
     if distributed:
         trace = _guard(trace, "merging ranks", ctx.merge, trace, out_dir) or trace
-        if ctx.rank != 0:
+        if not ctx.writes_report:  # rank 0, or the parent of workers the script started
             return trace
     if amend is not None:
         _guard(trace, "adding the precision audit", amend, trace)

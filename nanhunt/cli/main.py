@@ -151,9 +151,10 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
               ctrl_c: _CtrlC) -> int:
     import torch
 
-    from nanhunt.capture import Hunt, StopRun
+    from nanhunt.capture import StopRun
     from nanhunt.cli.live import LiveLine
     from nanhunt.cli.runner import print_user_traceback, run_target
+    from nanhunt.cli.workers import make_session, patch_spawn
     from nanhunt.distributed import RankContext
     from nanhunt.experiment.fixes import FixMismatch, RunFixes
 
@@ -169,18 +170,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
         if hunt.first_failure is not None and not failed_at:
             failed_at.append(time.monotonic() - _STARTED)
 
-    common = {"target": opts.target, "keep_steps": opts.keep_steps,
-              "allow_inf": opts.allow_inf, "max_steps": opts.max_steps,
-              # distributed: every rank stops at the same step
-              "on_step": ctx.step_hook(on_step)}
-    if opts.mode == "sentinel":
-        from nanhunt.capture import Sentinel
-
-        # the reports are written below, after the run, as for full tracing
-        hunt: Any = Sentinel(out=None, stop=not opts.keep_going, **common)
-    else:
-        hunt = Hunt(sample_every=opts.sample_every, stop_on_problem=not opts.keep_going,
-                    **common)
+    hunt = make_session(opts, ctx.step_hook(on_step))  # distributed: the ranks stop together
     run = _run_info(argv, target.argv0, torch.__version__)
     run.world_size = ctx.world_size
     old_term = None
@@ -198,7 +188,8 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     outcome = None
     hunt.start()
     try:
-        with live:
+        # workers the script starts itself (torch.multiprocessing) run under sessions of their own
+        with live, patch_spawn(opts, out_dir, run, ctx, fixes):
             outcome = run_target(target, (StopRun, _Terminated, FixMismatch))
     finally:
         ctrl_c.install(raising=False)
@@ -206,7 +197,8 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
             # torchrun sends SIGTERM to every worker once one fails: finish the report first
             signal.signal(signal.SIGTERM, ctx.defer_sigterm)
         hunt.stop()
-        mismatch = fixes.uninstall(completed=_ran_to_end(outcome))
+        # a fix for the workers' training is theirs to apply
+        mismatch = fixes.uninstall(completed=_ran_to_end(outcome) and ctx.workers is None)
         if old_term is not None and not ctx.distributed:
             signal.signal(signal.SIGTERM, old_term)
     if isinstance(outcome.error, FixMismatch) or mismatch:

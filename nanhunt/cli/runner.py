@@ -13,11 +13,13 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from nanhunt._paths import PACKAGE_DIR
 from nanhunt.errors import NanhuntError
 
-__all__ = ["Outcome", "Target", "TargetMissing", "print_user_traceback", "run_target"]
+__all__ = ["Outcome", "Target", "TargetMissing", "print_user_traceback", "run_callable",
+           "run_target", "user_traceback_text"]
 
 _PACKAGE_DIR = str(Path(PACKAGE_DIR).resolve())
 _HIDDEN = (_PACKAGE_DIR, str(Path(runpy.__file__).resolve()), "<frozen runpy>")
@@ -93,7 +95,7 @@ class Outcome:
     error: BaseException | None = None
 
 
-def run_target(target: Target, stop_exc: type[BaseException]) -> Outcome:
+def run_target(target: Target, stop_exc: type[BaseException] | tuple) -> Outcome:
     """Run the target as ``__main__``; never raises what the user's code raised."""
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = [target.argv0, *target.args]
@@ -111,9 +113,28 @@ def run_target(target: Target, stop_exc: type[BaseException]) -> Outcome:
             runpy.run_module(str(target.module), run_name="__main__", alter_sys=True)
     except TargetMissing:
         raise  # not the user's failure: one line, exit 2, no report
-    except stop_exc as exc:
+    except BaseException as exc:  # the user's crash is the main case, not ours to propagate
+        return _outcome(exc, stop_exc)
+    finally:
+        sys.argv = saved_argv
+        if saved_path0 is not None:
+            sys.path[0] = saved_path0
+    return Outcome("complete", 0, None)
+
+
+def run_callable(fn: Any, args: tuple, stop_exc: type[BaseException] | tuple) -> Outcome:
+    """Call ``fn(*args)`` (a worker's function) and say how it ended, as :func:`run_target`."""
+    try:
+        fn(*args)
+    except BaseException as exc:
+        return _outcome(exc, stop_exc)
+    return Outcome("complete", 0, None)
+
+
+def _outcome(exc: BaseException, stop_exc: type[BaseException] | tuple) -> Outcome:
+    if isinstance(exc, stop_exc):
         return Outcome("stopped", 0, exc)
-    except SystemExit as exc:
+    if isinstance(exc, SystemExit):
         code = exc.code
         if code is None:
             code = 0
@@ -121,15 +142,9 @@ def run_target(target: Target, stop_exc: type[BaseException]) -> Outcome:
             print(code, file=sys.stderr)
             code = 1
         return Outcome("complete" if code == 0 else "exited", code, exc)
-    except KeyboardInterrupt as exc:
+    if isinstance(exc, KeyboardInterrupt):
         return Outcome("interrupted", 130, exc)
-    except BaseException as exc:  # the user's crash is the main case, not ours to propagate
-        return Outcome("crashed", 1, exc)
-    finally:
-        sys.argv = saved_argv
-        if saved_path0 is not None:
-            sys.path[0] = saved_path0
-    return Outcome("complete", 0, None)
+    return Outcome("crashed", 1, exc)
 
 
 def _run_file(script: str) -> None:
@@ -160,12 +175,21 @@ def _user_frames(tb: TracebackType | None) -> list[traceback.FrameSummary]:
 def print_user_traceback(exc: BaseException, file=None) -> None:
     """Print the exception as Python would, without nanhunt's or runpy's frames."""
     file = file or sys.stderr
+    file.write(user_traceback_text(exc))
+
+
+def user_traceback_text(exc: BaseException, head: list | None = None) -> str:
+    """The exception as Python formats it, without nanhunt's or runpy's frames; ``head``
+    (frame summaries) goes above the outermost exception's own frames (the caller's frame, as
+    ``traceback.format_exc()`` in that caller would show it)."""
     te = traceback.TracebackException(type(exc), exc, exc.__traceback__, compact=True)
     seen = set()
     node: traceback.TracebackException | None = te
     while node is not None and id(node) not in seen:
         seen.add(id(node))
-        node.stack = traceback.StackSummary.from_list(
-            [f for f in node.stack if not f.filename.startswith(_HIDDEN)])
+        frames = [f for f in node.stack if not f.filename.startswith(_HIDDEN)]
+        if node is te and head:
+            frames = [*head, *frames]
+        node.stack = traceback.StackSummary.from_list(frames)
         node = node.__cause__ or node.__context__
-    file.write("".join(te.format()))
+    return "".join(te.format())
