@@ -257,10 +257,17 @@ def range_chart(layers: Sequence[LayerStats], fmt: NumberFormat, culprit: str | 
     axis = _Axis(lo, hi, label_w + 8, width - right_w)
     height = head + row_h * len(layers) + 28
     body_y0, body_y1 = head - 6, head + row_h * len(layers)
+    # two SVGs at one scale: the names column stays put (CSS sticky) while a narrow window
+    # scrolls the bars beside it, so a row is never a bar without its module's name
+    names = [
+        f'<svg class="range-names" viewBox="0 0 {label_w} {height}" '
+        f'style="flex:{label_w} 1 0" aria-hidden="true" {_FONT}>',
+        f'<rect x="0" y="0" width="{label_w}" height="{height}" fill="#ffffff"/>',
+    ]
     parts = [
-        f'<svg class="range-chart" viewBox="0 0 {width} '
-        f'{height}" width="100%" role="img" aria-label="value ranges per module against '
-        f'{esc(fmt.name)} limits" {_FONT}>',
+        f'<svg class="range-chart" viewBox="{label_w} 0 {width - label_w} '
+        f'{height}" style="flex:{width - label_w} 1 0" role="img" aria-label="value ranges '
+        f'per module against {esc(fmt.name)} limits" {_FONT}>',
         _DEFS,
     ]
     parts += _zones(axis, fmt, body_y0, body_y1)
@@ -272,7 +279,7 @@ def range_chart(layers: Sequence[LayerStats], fmt: NumberFormat, culprit: str | 
                 f'<text x="{n((xa + xb) / 2)}" y="14" text-anchor="middle" fill="{MUTED}" '
                 f'font-size="11" font-style="italic">{esc(text)}</text>'
             )
-    parts += _limit_labels(axis, fmt, 30)
+    parts += _limit_labels(axis, fmt, 30, left=label_w)  # inside the bars, not the names
     parts += _binade_ticks(axis, body_y0, body_y1, 47, 16)
     for i, layer in enumerate(layers):
         y = head + i * row_h
@@ -282,20 +289,22 @@ def range_chart(layers: Sequence[LayerStats], fmt: NumberFormat, culprit: str | 
         parts.append(f'<g class="{cls}" data-module="{esc(layer.module)}"{attrs}>')
         parts.append(f"<title>{esc(layer.module)} ({esc(layer.type)})</title>")
         if is_culprit:
-            parts.append(
-                f'<rect x="0" y="{n(y)}" width="{width}" height="{row_h}" fill="{BAD}" '
-                f'fill-opacity="0.09" stroke="{BAD}" stroke-opacity="0.5" rx="4"/>'
-            )
+            tint = (f'height="{row_h}" fill="{BAD}" fill-opacity="0.09" stroke="{BAD}" '
+                    'stroke-opacity="0.5" rx="4"/>')
+            parts.append(f'<rect x="{label_w - 8}" y="{n(y)}" width="{width - label_w + 8}" '
+                         + tint)
+            names.append(f'<rect x="0" y="{n(y)}" width="{label_w + 8}" ' + tint)
         elif i % 2:
-            parts.append(
+            names.append(
                 f'<rect x="0" y="{n(y)}" width="{label_w}" height="{row_h}" fill="#f8fafc"/>'
             )
         name = _short_name(layer.module or "(root)", 34)
         weight = ' font-weight="700"' if is_culprit else ""
         colour = BAD if is_culprit else INK
-        parts.append(
+        names.append(
             f'<text x="8" y="{n(y + 18)}" font-size="12" fill="{colour}"{weight} '
-            f'class="mono">{esc(name)}</text>'
+            f'class="mono row-name" data-module="{esc(layer.module)}">{esc(name)}'
+            f"<title>{esc(layer.module)} ({esc(layer.type)})</title></text>"
         )
         fwd, bwd = layer.forward, layer.backward
         failed = _failed_tensor(failure) if is_culprit else None
@@ -323,7 +332,8 @@ def range_chart(layers: Sequence[LayerStats], fmt: NumberFormat, culprit: str | 
     if len(layers) > 14:
         parts += _binade_ticks(axis, body_y1, body_y1, body_y1 + 16, 16)
     parts.append("</svg>")
-    return "".join(parts)
+    names.append("</svg>")
+    return '<div class="range-split">' + "".join(names) + "".join(parts) + "</div>"
 
 
 def _failed_tensor(failure: Failure | None) -> tuple[str, TensorStats, str] | None:

@@ -902,6 +902,9 @@ border:1px solid #cbd5e1;border-radius:2px}
 .cross{font-style:normal;color:var(--bad);font-weight:700}
 .chart-wrap{overflow-x:auto}
 .chart-wrap svg{display:block;min-width:720px}
+.range-split{display:flex;align-items:flex-start;min-width:720px}
+.chart-wrap .range-split svg{min-width:0;height:auto}
+.range-names{position:sticky;left:0;z-index:1}
 svg text.mono{font-family:var(--mono)}
 svg{font-family:inherit}
 .mini-grid{display:grid;grid-template-columns:repeat(2,minmax(0,1fr));gap:10px 22px}
@@ -1039,10 +1042,13 @@ _JS = r"""
                          "g.culprit .nonfinite-mark");
       var both = span("g.culprit rect.forward, g.culprit rect.backward, " +
                       "g.culprit .nonfinite-mark, line.limit-max");
-      var s = both && (!culprit || both[1] - both[0] + 40 <= cw) ? both : culprit;
+      // the module names stay on the left (sticky): the bars show in the rest
+      var names = wrap.querySelector(".range-names");
+      var nw = names ? names.getBoundingClientRect().width : 0, room = cw - nw;
+      var s = both && (!culprit || both[1] - both[0] + 40 <= room) ? both : culprit;
       if (!s) { return; }
       // the whole span when it fits, centred; else its right end (where values overflow)
-      var target = s[1] - s[0] + 40 <= cw ? (s[0] + s[1] - cw) / 2 : s[1] + 24 - cw;
+      var target = s[1] - s[0] + 40 <= room ? (s[0] + s[1] - cw - nw) / 2 : s[1] + 24 - cw;
       wrap.scrollLeft = Math.max(0, Math.min(target, wrap.scrollWidth - cw));
       wrap.setAttribute("data-scrolled", String(Math.round(wrap.scrollLeft)));
     });
