@@ -15,7 +15,8 @@ from nanhunt.errors import NanhuntError
 from nanhunt.formats import FORMATS, get_format
 
 if TYPE_CHECKING:
-    from nanhunt.capture import Hunt, Sentinel, StopRun, sentinel, watch
+    from nanhunt.capture import Hunt, StopRun, watch
+    from nanhunt.pipeline import Sentinel, sentinel
     from nanhunt.precision import audit
 
 __all__ = [
@@ -34,7 +35,8 @@ __all__ = [
 # Hunt, watch, the sentinel and audit need torch; importing them on first use keeps
 # `nanhunt --help`, usage errors and `nanhunt report` (all torch-free) from paying torch's import
 # time (about a second).
-_LAZY = {**dict.fromkeys(("Hunt", "Sentinel", "StopRun", "sentinel", "watch"), "capture"),
+_LAZY = {**dict.fromkeys(("Hunt", "StopRun", "watch"), "capture"),
+         **dict.fromkeys(("Sentinel", "sentinel"), "pipeline"),
          "audit": "precision"}
 
 

@@ -11,9 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nanhunt.capture.sentinel import Sentinel as _BareSentinel
+from nanhunt.replay.step import TripAnalyst
 from nanhunt.trace import RunInfo, Trace
 
-__all__ = ["analyse", "analyse_and_report"]
+__all__ = ["Sentinel", "analyse", "analyse_and_report", "sentinel"]
 
 
 def _guard(trace: Trace, stage: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -29,14 +31,14 @@ def _guard(trace: Trace, stage: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
 def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
             out_dir: Path | None = None, optimizer_snapshot: Any = None) -> Trace:
     """Fill the op-level zoom, diagnosis, recommendations and their verification."""
-    from nanhunt.replay import zoom
+    from nanhunt.replay import checks, files, module, optimizer
 
     if optimizer_snapshot is not None:
-        _guard(trace, "optimizer replay", zoom.zoom_optimizer, trace, optimizer_snapshot)
+        _guard(trace, "optimizer replay", optimizer.zoom_optimizer, trace, optimizer_snapshot)
     if snapshot is not None:
-        _guard(trace, "op-level replay", zoom.zoom_into, trace, snapshot)
+        _guard(trace, "op-level replay", module.zoom_into, trace, snapshot)
         if out_dir is not None:
-            name = _guard(trace, "snapshot", zoom.save_snapshot, snapshot,
+            name = _guard(trace, "snapshot", files.save_snapshot, snapshot,
                           out_dir / "snapshot.pt", script=trace.run.script)
             if name:
                 trace.snapshot = "snapshot.pt"
@@ -51,12 +53,13 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
         trace.problem = True  # e.g. a misused GradScaler before anything went non-finite
     _guard(trace, "advice", advise, trace)  # with each fix's --fix specs and snippet
     if snapshot is not None:
-        _guard(trace, "verification", zoom.verify, trace, snapshot)
+        _guard(trace, "replay checks", checks.check, trace, snapshot)
     if optimizer_snapshot is not None:
-        _guard(trace, "optimizer verification", zoom.verify_optimizer, trace, optimizer_snapshot)
+        _guard(trace, "optimizer replay checks", checks.check_optimizer, trace,
+               optimizer_snapshot)
     for rec in trace.recommendations:
         if not rec.verification:
-            rec.verification = zoom.why_not_verified(rec.type, captured=snapshot is not None)
+            rec.verification = checks.why_not_checked(rec.type, captured=snapshot is not None)
     return trace
 
 
@@ -173,3 +176,38 @@ def _write(trace: Trace, out_dir: Path, write_reports: Any,
         path = out_dir / "report.json"
         atomic_write_text(path, trace.to_json())
         return {"json": path}
+
+
+# ----------------------------------------------------------------------------- the sentinel
+
+
+def _sentinel_report(sentinel: Any) -> None:
+    """Write a diagnosed sentinel's reports to its ``out`` (after the user's step returned)."""
+    import torch
+
+    assert sentinel.out is not None
+    sentinel.out.mkdir(parents=True, exist_ok=True)
+    run = RunInfo(command=list(sys.argv), script=sys.argv[0] if sys.argv else "",
+                  torch=torch.__version__, status="running")
+    sentinel.reported = analyse_and_report(sentinel, run, sentinel.out, quiet=True)
+    f = sentinel.first_failure
+    print(f"nanhunt sentinel: first non-finite value at {f.where() if f else '?'}; "
+          f"report in {sentinel.out}/", file=sys.stderr)
+
+
+class Sentinel(_BareSentinel):
+    """The always-on sentinel with its analysis: a failing step is replayed after the user's
+    step returns (:class:`nanhunt.replay.step.TripAnalyst`) and, with ``out``, reported there.
+    Options as :class:`nanhunt.capture.sentinel.Sentinel`'s; see docs/api.md."""
+
+    def __init__(self, model: Any = None, optimizer: Any = None, scaler: Any = None, *,
+                 analyst: Any = None, **options: Any) -> None:
+        super().__init__(model, optimizer, scaler,
+                         analyst=analyst or TripAnalyst(report=_sentinel_report), **options)
+
+
+def sentinel(model: Any = None, optimizer: Any = None, scaler: Any = None, *,
+             out: str | Path | None = "nanhunt-report", target: str | None = None,
+             stop: bool = False, **options: Any) -> Sentinel:
+    """The always-on sentinel: a context manager, or call ``start()``/``stop()``."""
+    return Sentinel(model, optimizer, scaler, out=out, target=target, stop=stop, **options)

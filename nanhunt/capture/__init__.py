@@ -16,8 +16,9 @@ Layout (which file owns which hook):
 - :mod:`.session`: :class:`Session` (the ExitStack, step boundaries), :class:`Hunt` (full
   tracing) and :func:`watch`;
 - :mod:`.keep`: the sentinel's cheap parts (root inputs, loss and targets kept by reference; one
-  fused gradient check); :mod:`.replay`: a kept step replayed under a Hunt on copies;
-  :mod:`.sentinel`: :class:`Sentinel`, the cheap composition, and :func:`sentinel`.
+  fused gradient check); :mod:`.sentinel`: :class:`Sentinel`, the cheap composition, which
+  records a failing step in its hooks for an analyst injected from above
+  (``nanhunt.Sentinel`` = this one with :class:`nanhunt.replay.step.TripAnalyst`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from __future__ import annotations
 from typing import Any
 
 from nanhunt.capture import session as _session
-from nanhunt.capture.sentinel import Sentinel, sentinel
+from nanhunt.capture.sentinel import Sentinel
 from nanhunt.capture.session import Hunt, Session, StopRun, watch
 
-__all__ = ["Hunt", "Sentinel", "Session", "StopRun", "sentinel", "watch"]
+__all__ = ["Hunt", "Sentinel", "Session", "StopRun", "watch"]
 
 
 def __getattr__(name: str) -> Any:

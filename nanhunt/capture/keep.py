@@ -4,7 +4,9 @@ gradient check before the optimizer step."""
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +16,7 @@ from torch.nn.modules import module as _M
 from torch.optim import optimizer as _O
 
 from nanhunt import stats as _stats
+from nanhunt._patching import patch
 from nanhunt.capture._util import (
     _autocast_state,
     _call_leaves,
@@ -72,10 +75,56 @@ class StepKeep:
         return sum(seen.values())
 
 
+#: the roots being watched: id(root) -> (weak reference to it, its watch, our hook ids). The
+#: hooks on a user's module are the module-level functions below, which hold nothing: the
+#: module stays picklable and deep-copyable, and a pickle of it carries none of our hooks
+_WATCHED: dict[int, tuple[weakref.ref, RootWatch, list[int]]] = {}
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
+                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _watch_of(module: nn.Module) -> RootWatch | None:
+    entry = _WATCHED.get(id(module))
+    return entry[1] if entry is not None and entry[0]() is module else None
+
+
+def _root_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    watch = _watch_of(module)
+    if watch is not None:
+        watch._on_pre(module, args, kwargs)
+
+
+def _root_post_hook(module: nn.Module, args: tuple, output: Any) -> None:
+    watch = _watch_of(module)
+    if watch is not None:
+        watch._on_post(module, args, output)
+
+
+def _without_our_hooks(original: Any) -> Any:
+    """``nn.Module.__getstate__`` while a sentinel watches roots: a pickle or deep copy of a
+    watched module is what it would be without nanhunt (none of our hook entries)."""
+
+    def __getstate__(self: nn.Module) -> Any:
+        state = original(self)
+        entry = _WATCHED.get(id(self))
+        if entry is None or entry[0]() is not self or not isinstance(state, dict):
+            return state
+        ours = set(entry[2])
+        for key in _HOOK_TABLES:
+            table = state.get(key)
+            if table and ours.intersection(table):
+                state[key] = OrderedDict((k, v) for k, v in table.items() if k not in ours)
+        return state
+
+    return __getstate__
+
+
 class RootWatch(Part):
     """Keeps each root module call's inputs, autocast and RNG state and output gradients for
     the replay. With the model given, its own forward hooks; otherwise global module hooks for
-    the first step only, which learn the roots, then hooks on those roots."""
+    the first step only, which learn the roots, then hooks on those roots. The hooks on the
+    roots are module-level functions that find this watch in a registry (:data:`_WATCHED`):
+    nothing of the session is stored on the user's module."""
 
     def __init__(self, session: Any) -> None:
         super().__init__(session)
@@ -84,21 +133,26 @@ class RootWatch(Part):
         self._depth = 0
 
     def install(self, stack: Any) -> None:
+        patch(stack, nn.Module, "__getstate__", _without_our_hooks)
+        stack.callback(self._remove)
         model = self.s._model_ref() if self.s._model_ref is not None else None
         if model is not None:
             self.watch_root(model)
-        # also with a model: the step may call a wrapper of it (torch.compile's, DDP)
+        # also with a model: the step may call a wrapper of it (torch.compile's, DDP); in the
+        # first step they also find the format autocast uses inside a forward
         self._global = [
             _M.register_module_forward_pre_hook(self._on_global_pre),
             _M.register_module_forward_hook(self._on_global_post),
         ]
-        stack.callback(self._remove)
 
     def _remove(self) -> None:
         self.drop_global()
-        for _ref, handles in self._local.values():
+        for key, (_ref, handles) in self._local.items():
             for h in handles:
                 h.remove()
+            entry = _WATCHED.get(key)
+            if entry is not None and entry[1] is self:
+                del _WATCHED[key]
         self._local = {}
 
     def drop_global(self) -> None:
@@ -115,16 +169,22 @@ class RootWatch(Part):
         """Hook ``root``'s own calls; False when they are hooked already."""
         if id(root) in self._local and self._local[id(root)][0]() is root:
             return False
-        handles = [root.register_forward_pre_hook(self._on_pre, with_kwargs=True),
-                   root.register_forward_hook(self._on_post)]
-        self._local[id(root)] = (weakref.ref(root), handles)
+        handles = [root.register_forward_pre_hook(_root_pre_hook, with_kwargs=True),
+                   root.register_forward_hook(_root_post_hook)]
+        ref = weakref.ref(root)
+        self._local[id(root)] = (ref, handles)
+        _WATCHED[id(root)] = (ref, self, [h.id for h in handles])
         return True
 
     # the first step without a model: global hooks learn the roots (modules called while no
     # other module runs); their own hooks record the calls from then on
     def _on_global_pre(self, module: nn.Module, args: tuple) -> None:
-        if _skip():  # Dynamo is tracing: nothing of ours may enter the graph
-            return
+        if _skip() or threading.get_ident() != self.s._thread:
+            return  # (another thread's calls are not the training step's)
+        if self.s._target_auto and self.s._active:
+            # autocast entered inside a forward (accelerate wraps ``model.forward``) is seen
+            # only by the modules inside it
+            self.s._resolve_target(module)
         if self._depth == 0 and self.s._active and not _in_backward():
             self.s.naming.name_of(module, [])  # named as full tracing names it
             if self.watch_root(module):
@@ -134,7 +194,7 @@ class RootWatch(Part):
         self._depth += 1
 
     def _on_global_post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not _skip():
+        if not _skip() and threading.get_ident() == self.s._thread:
             self._depth = max(0, self._depth - 1)
 
     def step_begun(self) -> None:
@@ -147,9 +207,11 @@ class RootWatch(Part):
         if _skip():
             return
         s = self.s
-        if not s._active or _in_backward() or s._in_root is not None:
+        if not s._active or _in_backward() or s._in_root is not None \
+                or threading.get_ident() != s._thread:
             return
         s._end_step_if_over()
+        s._step_boundary(module, args)  # a failing step's analysis runs here, between steps
         if s._target_auto:  # the format the run uses, as full tracing decides it
             for m in module.modules():
                 s._resolve_target(m)
@@ -169,7 +231,7 @@ class RootWatch(Part):
         if _skip():
             return
         s = self.s
-        if s._in_root is not module:
+        if s._in_root is not module or threading.get_ident() != s._thread:
             return
         s._in_root = None
         keep = s.keep
@@ -238,14 +300,14 @@ class GradCheck(Part):
         """The weights' in-place edit counters after the update: a weight found non-finite
         later whose counter has not moved since holds what an optimizer step wrote."""
         s = self.s
-        if s._active:
+        if s._active and not s._foreign_thread():
             s._versions.update({id(p): (_version(p), s._step) for g in optimizer.param_groups
                                 for p in g["params"]})
 
     @_safe
     def _on_opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         s = self.s
-        if not s._active or s._full:  # full tracing records the gradients row by row
+        if not s._active or s._full or s._foreign_thread():  # (full tracing: row by row)
             return
         s._optimizers.setdefault(id(optimizer), weakref.ref(optimizer))
         if s.cur.step_scaler:

@@ -72,6 +72,8 @@ class LossObserver(Part):
         return backward
 
     def _before_backward(self, tensor: torch.Tensor) -> None:
+        if self.s._foreign_thread():
+            return
         if self.s._active and not _in_backward() and self.s._closure_step != self.s._step \
                 and self.s._optimizer_ran_step == self.s._step:
             self.s._end_step()
@@ -95,7 +97,7 @@ class LossObserver(Part):
         return scale
 
     def _after_scale(self, scaler: Any, outputs: Any, result: Any) -> None:
-        if self.s._active and scaler.is_enabled():
+        if self.s._active and scaler.is_enabled() and not self.s._foreign_thread():
             self.s.scaler_seen = self.cur.step_scaler = True
             if isinstance(outputs, torch.Tensor):
                 self._record_loss(outputs, "loss")

@@ -52,7 +52,7 @@ class ModuleObserver(Part):
 
     @_safe
     def _on_pre(self, module: nn.Module, args: tuple) -> None:
-        if not self.s._active or _skip():
+        if not self.s._active or _skip() or self.s._foreign_thread():
             return
         if _in_backward():
             return  # activation-checkpoint recompute
@@ -82,7 +82,7 @@ class ModuleObserver(Part):
     @_safe
     def _on_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         s = self.s
-        if not s._active or not s._full or _in_backward() or _skip():
+        if not s._active or not s._full or _in_backward() or _skip() or s._foreign_thread():
             return
         cur, rec = s.cur, s.recorder  # (the step cannot end before the last line)
         frame = self._pop_frame(module)

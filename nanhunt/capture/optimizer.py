@@ -70,7 +70,7 @@ class OptimizerObserver(Part):
 
     @_safe
     def _on_opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
-        if not self.s._active:
+        if not self.s._active or self.s._foreign_thread():
             return None
         self.s._saw_optimizer = True
         self.s._optimizers_seen.add(id(optimizer))
@@ -109,7 +109,7 @@ class OptimizerObserver(Part):
 
     @_safe
     def _on_opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.s._active:
+        if not self.s._active or self.s._foreign_thread():
             return
         if self._extra:
             self._extra = False

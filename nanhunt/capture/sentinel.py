@@ -5,8 +5,15 @@ Every step it runs only the loss, GradScaler and optimizer observers of full tra
 row, found_inf and the scale, one fused max-norm over the updated parameters), one fused norm
 over the gradients before the optimizer step (:class:`~.keep.GradCheck`), and keeps by
 reference what a replay needs (:class:`~.keep.RootWatch`, :class:`~.keep.KeptLoss`). The same
-recorder and judge decide that a step failed; the step is then replayed under a full-tracing
-:class:`~.session.Hunt` on copies (:mod:`.replay`), checked to reproduce, and analysed.
+recorder and judge decide that a step failed.
+
+Inside the user's hooks a failing step is only recorded (a :class:`Trip`): the references kept,
+and copies of what the optimizer step is about to overwrite (the weights, the optimizer's and
+GradScaler's state). The analysis (a replay of the step under full tracing, the check that it
+reproduces, the diagnosis and the reports) runs after the user's step has returned: at the
+first root module call of the next step, or when the session stops. It is not part of this
+package: an *analyst* injected from above does it (``nanhunt.Sentinel`` composes
+:class:`nanhunt.replay.step.TripAnalyst`); capture never imports the replay or the pipeline.
 """
 
 from __future__ import annotations
@@ -14,8 +21,8 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-import sys
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +37,35 @@ from nanhunt.capture.modules import ModuleObserver
 from nanhunt.capture.optimizer import OptimizerObserver
 from nanhunt.capture.session import Session, StopRun
 from nanhunt.capture.state import _StepData
-from nanhunt.replay.step import Replay, replay_step
+from nanhunt.errors import NanhuntError
 from nanhunt.trace import Failure, RunInfo, Trace
 
 SPIKE_WINDOW = 50  # finite losses of recent steps a spike is judged against
 SPIKE_MIN = 20  # steps of history before a spike can be called
+
+
+@dataclass
+class Trip:
+    """A failing step as the sentinel's hook recorded it, for the analysis after the step.
+
+    ``kind``: ``"replay"`` (replay the step to find the origin), ``"optimizer"`` (weights an
+    optimizer step wrote are non-finite: that update is the failure; the forward is replayed
+    for the op-level zoom only) or ``"traced"`` (full tracing located it: only the report is
+    left). ``held``: what the analyst copied inside the hook, before the update overwrote it;
+    ``refused``: why it copied nothing (over the replay's memory cap)."""
+
+    data: _StepData
+    problem: str | None
+    kind: str
+    keep: StepKeep | None = None
+    scale: float | None = None
+    bad: list[tuple[torch.Tensor, str, str]] = field(default_factory=list)
+    held: Any = None
+    refused: str = ""
+
+    @property
+    def step(self) -> int:
+        return self.data.index
 
 
 class Sentinel(Session):
@@ -50,7 +81,7 @@ class Sentinel(Session):
     def __init__(self, model: nn.Module | None = None, optimizer: Any = None, scaler: Any = None,
                  *, out: str | Path | None = "nanhunt-report", target: str | None = None,
                  stop: bool = False, spike: float = 10.0, report: bool = True,
-                 **options: Any) -> None:
+                 analyst: Any = None, **options: Any) -> None:
         options.pop("stop_on_problem", None)
         super().__init__(model, optimizer, scaler, target=target or "auto",
                          stop_on_problem=stop, **options)
@@ -59,6 +90,8 @@ class Sentinel(Session):
         self.spike = spike
         self.report = report and self.out is not None
         self.reported: Trace | None = None  # what was written to ``out``
+        # replays and reports a trip after the user's step (None: the trip is only recorded)
+        self.analyst = analyst
 
     # -- composition ------------------------------------------------------------------------
 
@@ -79,7 +112,11 @@ class Sentinel(Session):
         self._handled: set[int] = set()
         self._streak: tuple[StepKeep, float | None] | None = None  # first skip of a streak
         self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
-        self.replay: Replay | None = None
+        self._pending: list[Trip] = []  # recorded in a hook, analysed between steps
+        self._tripped = False  # a trip waits for its analysis: no second one meanwhile
+        self._analysing = False
+        self.ending = False
+        self.replay: Any = None  # the analyst's replay of the failing step
         self.notes: list[str] = []
         self.kept_bytes = 0  # what the kept references held at the failing step
 
@@ -104,6 +141,48 @@ class Sentinel(Session):
     def __exit__(self, exc_type, exc, tb) -> bool:
         super().__exit__(exc_type, exc, tb)
         return isinstance(exc, StopRun) and self._diagnosed  # our own stop ends the block
+
+    # -- the analysis, between steps ----------------------------------------------------------
+
+    def _step_boundary(self, module: nn.Module, args: tuple) -> None:
+        """The first root call of a step: the step before it has returned to the user's loop,
+        so a trip recorded in it is analysed now (under the replay contract: nothing the user
+        can observe changes). With ``stop``, the script stops here once it is diagnosed."""
+        if not self._pending or self._analysing:
+            return
+        tripped = self._pending[0].step
+        self._analyse_pending()
+        if self._tracing and not self._full:  # traced in full from this very call
+            self._full = self.cur.traced = True
+            self.judge.traced_steps.add(self._step)
+            self.modules._on_pre(module, args)  # (its global pre-hook has run already)
+        if self._diagnosed and self.stop_run:
+            raise StopRun(f"nanhunt stopped the script after step {tripped}, where the first "
+                          "non-finite value appeared")
+
+    def _session_ending(self) -> None:
+        self.ending = True  # no step follows: a replay that does not reproduce says so
+        self._analyse_pending()
+
+    def _analyse_pending(self) -> None:
+        self._analysing = True
+        try:
+            while self._pending:
+                trip = self._pending.pop(0)
+                self._guard(self._analyse, trip)
+        finally:
+            self._analysing = False
+            self._tripped = False
+
+    def _analyse(self, trip: Trip) -> None:
+        if trip.kind == "traced":
+            self.finish()
+        elif self.analyst is None:
+            self.notes.append(f"sentinel: step {trip.step} failed ({_what(trip.problem)}); it "
+                              "was not replayed (this sentinel has no analyst)")
+            self.finish()
+        else:
+            self.analyst.analyse(self, trip)
 
     def optimizer_for_replay(self) -> Any:
         if self._optimizer_ref is not None and self._optimizer_ref() is not None:
@@ -151,7 +230,7 @@ class Sentinel(Session):
                 and d.index == self.keep.step and self.keep.grad_checked:
             self._check_grads(d, rec)
         for index in sorted(self.judge.problem_steps):
-            if index in self._handled or self._diagnosed:
+            if index in self._handled or self._diagnosed or self._tripped:
                 continue
             self._handled.add(index)
             failed = self.recorder.find_step(index)
@@ -193,13 +272,15 @@ class Sentinel(Session):
     # -- a failing step ---------------------------------------------------------------------
 
     def _trip(self, d: _StepData) -> None:
+        """Inside the user's hook: record the failing step and copy what its optimizer step is
+        about to overwrite; nothing is replayed here (see :meth:`_step_boundary`)."""
         problem = d.problem
         self.kept_bytes = self.keep.nbytes()
         if self._tracing:
             if self.judge.first_failure is not None:
                 self.notes.append(f"sentinel: step {d.index} was traced in full (the earlier "
                                   "replay had not reproduced its failure)")
-                self._finish()
+                self._record(Trip(d, problem, "traced"))
             return
         bad = self._optimizer_wrote(self._nonfinite_params())
         if bad:  # the weights were already non-finite: an earlier optimizer step made them so
@@ -209,30 +290,22 @@ class Sentinel(Session):
                        (self.keep, d.scale))
         if keep.step != d.index and problem != "collapse":
             keep = StepKeep(d.index)  # its inputs are gone: the replay says so
-        r = replay_step(self, keep, scale=scale, collapse=problem == "collapse")
-        self.replay = r
-        ok, why = self._reproduced(problem, d, keep, r)
-        if ok:
-            self._adopt(r)
-            self.notes.append(
-                f"sentinel: step {keep.step} ({_what(problem)}) was replayed with full tracing "
-                "from the inputs kept by reference and the parameters as they were before the "
-                f"optimizer step; the replay reproduced it ({why})")
-            if r.compiled:
-                self.notes.append(f"the compiled module {', '.join(r.compiled)} was replayed "
-                                  "eagerly to name the layer and op inside it")
-            self._finish()
-            return
-        if r.compiled and self._compiled_only(keep, r, d):
-            self._finish()
-            return
-        self.notes.append(
-            f"sentinel: step {keep.step} failed ({_what(problem)}) but its replay did not "
-            f"reproduce it ({why}); full tracing from step {self._step + 1} on")
-        self._undo_problem(d, keep_mark=True)
-        self._switch_to_tracing()
+        self._record(Trip(d, problem, "replay", keep=keep, scale=scale))
 
-    def _undo_problem(self, d: _StepData, keep_mark: bool = False) -> None:
+    def _record(self, trip: Trip) -> None:
+        self._tripped = True
+        if self.analyst is not None and trip.keep is not None and trip.keep.calls:
+            was, self._active = self._active, False  # (copying builds objects we must not see)
+            try:
+                trip.held = self.analyst.hold(self, trip)
+            except NanhuntError as exc:  # over the cap: said in the report, nothing copied
+                trip.refused = str(exc)
+            finally:
+                self._active = was
+        self._pending.append(trip)
+
+    def undo_problem(self, d: _StepData, keep_mark: bool = False) -> None:
+        """The step's failure is not the one reported (the replay did not reproduce it)."""
         self.judge.first_failure = None
         self.judge.problem = None
         self.judge.dismissed.add(d.index)  # (its later rows must not locate it again)
@@ -244,52 +317,6 @@ class Sentinel(Session):
             rec = self.recorder.step_records.get(d.index)
             if rec is not None:
                 rec.nonfinite = False
-
-    def _reproduced(self, problem: str | None, d: _StepData, keep: StepKeep,
-                    r: Replay) -> tuple[bool, str]:
-        if not r.ran:
-            return False, f"the replay raised {r.error}"
-        if r.stale:
-            return False, f"kept inputs were changed in place after the call ({r.stale[0]})"
-        h = r.hunt
-        if h is None or h.first_failure is None:
-            return False, "every replayed value was finite"
-        if problem == "loss":
-            for c, outs in zip(keep.calls, r.outputs):
-                for (_p, a), (_q, b) in zip(c.outputs, outs):
-                    if a.shape != b.shape or not _same_values(a.detach(), b.detach()):
-                        return False, f"the replayed {_p} differs from the step's own"
-            if r.loss is not None and math.isfinite(r.loss):
-                return False, "the replayed loss was finite"
-            return True, "the same root outputs and a non-finite loss"
-        if problem == "grad":
-            opt = self.optimizer_for_replay()
-            params = [p for g in opt.param_groups for p in g["params"]] if opt else []
-            checked = 0
-            for p in params:
-                g, rg = p.grad, r.grads.get(id(p))
-                if g is None or rg is None:
-                    continue
-                if _counts(g) != _counts(rg):
-                    return False, "the replayed gradients' non-finite values differ"
-                checked += 1
-            return True, f"the same NaN/inf counts in all {checked} parameter gradients"
-        if problem == "collapse":
-            if r.skipped is False:
-                return False, "the replayed step was not skipped by the GradScaler copy"
-            return True, "GradScaler skipped the replayed step too"
-        return True, "the replay failed at the same step"
-
-    def _adopt(self, r: Replay) -> None:
-        h = r.hunt
-        assert h is not None
-        self.judge.first_failure = h.first_failure
-        self.judge.problem = h.problem
-        self.snapshot = h.snapshot
-        self.failure_extra.update(h.failure_extra)
-        for fact in h.facts:
-            if fact not in self.judge.facts:
-                self.judge.facts.append(fact)
 
     @torch.no_grad()
     def _nonfinite_params(self) -> list[tuple[torch.Tensor, str, str]]:
@@ -315,15 +342,15 @@ class Sentinel(Session):
 
     def _optimizer_made(self, d: _StepData, bad: list[tuple[torch.Tensor, str, str]]) -> None:
         """Weights went non-finite in an optimizer step whose gradients were finite (checked
-        then): the failure is that update, named as full tracing names it; the forward of this
-        step is replayed on those weights for the culprit's op-level snapshot."""
+        then): the failure is that update, named as full tracing names it; the analysis
+        replays the forward of this step on those weights for the culprit's op-level zoom."""
         p, name, owner = bad[0]
         row = _stats.summarize(p, self.format).cpu().numpy()
         stats = _stats.decode(row, str(p.dtype).removeprefix("torch."), tuple(p.shape),
                               self.format)
         step = self._versions.get(id(p), (0, self._last_update))[1]
         failure = Failure(step=step, phase="optimizer", module=owner, tensor=name, stats=stats)
-        self._undo_problem(d, keep_mark=True)
+        self.undo_problem(d, keep_mark=True)
         self.judge.first_failure = failure
         self.judge.problem = "param"
         rec = self.recorder.step_records.get(step)
@@ -331,25 +358,12 @@ class Sentinel(Session):
             rec.nonfinite = True
         if step not in self.judge.problem_steps:
             self.judge.problem_steps.append(step)
-        if self.keep.calls:
-            preset = Failure(step=self.keep.step, phase="optimizer", module=owner, tensor=name,
-                             stats=stats)
-            r = replay_step(self, self.keep, scale=d.scale, collapse=False, preset=preset)
-            self.replay = r
-            if r.hunt is not None:
-                self.snapshot = r.hunt.snapshot
-        others = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        self.notes.append(
-            f"sentinel: the optimizer step at step {step} made {name}{others} non-finite from "
-            f"finite gradients; found when step {d.index} failed ({_what(d.problem)}), by one "
-            "pass over the weights; the update itself was not replayed (it overwrote what it "
-            "read); the forward of step "
-            f"{self.keep.step} was replayed on the updated weights for the op-level zoom")
-        self._finish()
+        self._record(Trip(d, d.problem, "optimizer", keep=self.keep if self.keep.calls else None,
+                          scale=d.scale, bad=bad))
 
     def stop(self) -> None:
         if self._stack is not None and self._active and not self._diagnosed and \
-                self._last_update >= 0:
+                not self._tripped and self._last_update >= 0:
             with contextlib.suppress(Exception):  # the last update, which no step followed
                 bad = self._optimizer_wrote(self._nonfinite_params())
                 if bad:
@@ -357,12 +371,12 @@ class Sentinel(Session):
                     self._optimizer_made(d, bad)
         super().stop()
 
-    def _compiled_only(self, keep: StepKeep, r: Replay, d: _StepData) -> bool:
+    def compiled_only(self, keep: StepKeep, outputs: list, compiled: list[str]) -> bool:
         """A compiled root's output was non-finite and its eager replay on the same inputs was
         finite: the NaN comes from the compiled code."""
-        for c, outs in zip(keep.calls, r.outputs):
+        for c, outs in zip(keep.calls, outputs):
             label = self.naming.names.get(c.module) or type(c.module).__name__
-            if label not in r.compiled:
+            if label not in compiled:
                 continue
             for (path, a), (_q, b) in zip(c.outputs, outs):
                 a, b = a.detach(), b.detach()
@@ -388,8 +402,8 @@ class Sentinel(Session):
                 return True
         return False
 
-    def _switch_to_tracing(self) -> None:
-        """Full tracing from the next step: the module and autograd observers join."""
+    def switch_to_tracing(self) -> None:
+        """Full tracing from now on: the module and autograd observers join."""
         self._tracing = True
         self.modules = ModuleObserver(self)
         self.autograd = AutogradObserver(self)
@@ -401,35 +415,22 @@ class Sentinel(Session):
             self.autograd.hook_param(p)
         self.naming.on_param = self.autograd.hook_param
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """The failing step is diagnosed: the analyst writes the reports (with ``out``)."""
         self._diagnosed = True
-        if self.report:
-            self._write_report()
-        if self.stop_run:
-            self._stop_pending = True
-
-    def _write_report(self) -> None:
-        from nanhunt.pipeline import analyse_and_report
-
-        assert self.out is not None
-        self.out.mkdir(parents=True, exist_ok=True)
-        run = RunInfo(command=list(sys.argv), script=sys.argv[0] if sys.argv else "",
-                      torch=torch.__version__, status="running")
-        self._active = False  # the analysis replays modules: our hooks stand aside
-        try:
-            self.reported = analyse_and_report(self, run, self.out, quiet=True)
-        finally:
-            self._active = True
-        f = self.first_failure
-        print(f"nanhunt sentinel: first non-finite value at {f.where() if f else '?'}; "
-              f"report in {self.out}/", file=sys.stderr)
+        if self.report and self.analyst is not None:
+            self._active = False  # the analysis replays modules: our hooks stand aside
+            try:
+                self.analyst.report(self)
+            finally:
+                self._active = True
 
     # -- the result -------------------------------------------------------------------------
 
     def trace(self, run: RunInfo | None = None) -> Trace:
         t = super().trace(run)
         t.run.mode = "sentinel"
-        h = self.replay.hunt if self.replay is not None else None
+        h = getattr(self.replay, "hunt", None)
         if h is not None and self.first_failure is not None and h.first_failure is not None \
                 and self.judge.first_failure is h.first_failure:
             mine = {layer.module: layer for layer in t.layers}
@@ -475,10 +476,3 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not a.is_floating_point():
         return bool(torch.equal(a, b))
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
-
-
-def sentinel(model: nn.Module | None = None, optimizer: Any = None, scaler: Any = None, *,
-             out: str | Path | None = "nanhunt-report", target: str | None = None,
-             stop: bool = False, **options: Any) -> Sentinel:
-    """The always-on sentinel: a context manager, or call ``start()``/``stop()``."""
-    return Sentinel(model, optimizer, scaler, out=out, target=target, stop=stop, **options)

@@ -138,6 +138,9 @@ class Session:
         self.scaler_seen = False
         self.scaler_settings: dict[str, float] | None = None
         self._active = False
+        # the thread that runs the training step: global hooks ignore module calls and
+        # optimizer steps from other threads (a background evaluation, DataParallel replicas)
+        self._thread = threading.get_ident()
         self._step = self.first_step  # a framework's step count (resumed runs start past 0)
         self._stop_pending = False
         self._saw_optimizer = False
@@ -231,6 +234,7 @@ class Session:
             if _ACTIVE is not None:
                 raise NanhuntError("another nanhunt session is already active in this process")
             _ACTIVE = self
+        self._thread = threading.get_ident()
         try:
             self._install()
         except BaseException:
@@ -248,18 +252,12 @@ class Session:
         if self._stack is None:
             return
         try:
+            # a bug of ours in the last transfer must not lose what the run recorded: it is
+            # an internal error in the report, and stop() goes on detaching everything
             with contextlib.suppress(StopRun):
-                if self._trailing_evaluation():
-                    # forward-only work after the last training step is no step of its own:
-                    # drop its rows, keep the last step's late ones (parameters after update)
-                    self.recorder.discard_step(self._step)
-                    self.cur.transferred = True
-                    self.recorder.flush(self._step - 1, {})
-                else:
-                    # a step cut between its backward and its optimizer step (Ctrl-C, a
-                    # crash) has no gradient norm: its gradients are still multiplied by
-                    # GradScaler's scale, or not yet clipped or reduced
-                    self._flush(norm=not self._cut_short())
+                self._guard(self._final_flush)
+            with contextlib.suppress(StopRun):
+                self._guard(self._session_ending)
         finally:
             self._active = False
             self.cur.clear_handles()
@@ -273,6 +271,31 @@ class Session:
             with _LOCK:
                 if _ACTIVE is self:
                     _ACTIVE = None
+
+    def _final_flush(self) -> None:
+        if self._trailing_evaluation():
+            # forward-only work after the last training step is no step of its own: drop
+            # its rows, keep the last step's late ones (parameters after update)
+            self.recorder.discard_step(self._step)
+            self.cur.transferred = True
+            self.recorder.flush(self._step - 1, {})
+        else:
+            # a step cut between its backward and its optimizer step (Ctrl-C, a crash) has
+            # no gradient norm: its gradients are still multiplied by GradScaler's scale, or
+            # not yet clipped or reduced
+            self._flush(norm=not self._cut_short())
+
+    def _session_ending(self) -> None:
+        """The last step is flushed and every hook is still installed (the sentinel analyses
+        a failure it has not analysed yet)."""
+
+    def _step_boundary(self, module: nn.Module, args: tuple) -> None:
+        """A root module call begins a step: the previous step has returned to the user's
+        loop (the sentinel analyses a failing step here)."""
+
+    def _foreign_thread(self) -> bool:
+        """A hook runs in a thread other than the training step's: it records nothing."""
+        return threading.get_ident() != self._thread
 
     def _trailing_evaluation(self) -> bool:
         """The step in flight only evaluated (no_grad, inference_mode or eval-mode forwards, no

@@ -113,8 +113,8 @@ class Snapshots(Part):
 
     @staticmethod
     def _replay_backward(call: _Call, grad_outputs: list) -> bool | None:
-        # (not nanhunt.replay.zoom.replay: zoom builds on capture, and this runs inside the session,
-        # on the live call, needing only whether the result is finite)
+        # (not nanhunt.replay.module.replay: the replay builds on capture, and this runs
+        # inside the session, on the live call, needing only whether the result is finite)
         module = copy.deepcopy(call.module)
         for p in module.parameters():
             p.grad = None

@@ -340,7 +340,9 @@ def cmd_replay(argv: Sequence[str]) -> int:
             raise NanhuntError(f"no such {what}: {path}")
         if path is not None and not Path(path).is_file():
             raise NanhuntError(f"{path} is not a file")
-    from nanhunt.replay.zoom import load_snapshot, print_replay, replay
+    from nanhunt.replay.files import load_snapshot
+    from nanhunt.replay.module import replay
+    from nanhunt.replay.show import print_replay
 
     snap = load_snapshot(opts.snapshot, script=opts.script)
     result = replay(snap, dtype=None if opts.dtype == "as-captured" else opts.dtype)

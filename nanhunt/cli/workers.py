@@ -169,7 +169,7 @@ def make_session(opts: Any, on_step: Any) -> Any:
     common = {"target": opts.target, "keep_steps": opts.keep_steps,
               "allow_inf": opts.allow_inf, "max_steps": opts.max_steps, "on_step": on_step}
     if opts.mode == "sentinel":
-        from nanhunt.capture import Sentinel
+        from nanhunt.pipeline import Sentinel
 
         # the reports are written after the run, as for full tracing
         return Sentinel(out=None, stop=not opts.keep_going, **common)

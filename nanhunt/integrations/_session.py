@@ -87,7 +87,7 @@ class CallbackSession:
         if mode not in MODES:
             raise NanhuntError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         if mode == "sentinel" and _sentinel_class() is None:
-            raise NanhuntError("mode='sentinel' needs a nanhunt with nanhunt.capture.Sentinel")
+            raise NanhuntError("mode='sentinel' needs a nanhunt with nanhunt.pipeline.Sentinel")
         if sample_every < 1 or keep_steps < 1:
             raise NanhuntError("sample_every and keep_steps must be at least 1")
         if target is not None:
@@ -326,7 +326,7 @@ class CallbackSession:
 
 def _sentinel_class() -> Any:
     try:
-        from nanhunt.capture import Sentinel
+        from nanhunt.pipeline import Sentinel
     except ImportError:
         return None
     return Sentinel

@@ -107,7 +107,7 @@ def audit(
 
     from nanhunt.precision._session import AuditSession
     from nanhunt.precision._state import module_state_kept
-    from nanhunt.precision._tape import rng_kept
+    from nanhunt.replay.contract import isolated
 
     if steps < 1:
         raise NanhuntError("steps must be at least 1")
@@ -118,10 +118,12 @@ def audit(
     p = next(model.parameters(), None)
     run.device = str(p.device) if p is not None else "cpu"
     session = AuditSession(parse_targets(target), steps=steps, warmup=0, label="model")
-    # the forward the audit itself makes must not move BatchNorm statistics: put them back
+    # the forward the audit itself makes must not move BatchNorm statistics (nor a forward
+    # that edits its own weights in place): put them back
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    weights = {n: (p, p.detach().clone(), p._version) for n, p in model.named_parameters()}
     try:
-        with rng_kept(), module_state_kept([model]), session:
+        with isolated(neutral=False), module_state_kept([model]), session:
             for _ in range(steps):
                 inputs, labels = batch_fn()
                 with torch.enable_grad():
@@ -136,6 +138,9 @@ def audit(
             for n, b in model.named_buffers():
                 if n in buffers:
                     b.copy_(buffers[n])
+            for p, saved, version in weights.values():
+                if p._version != version:
+                    p.copy_(saved)
     run.finished = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     trace = build_trace(session, run)
     if out is not None:

@@ -12,8 +12,6 @@ the user's parameters, buffers, gradients or RNG (parameters are passed to
 from __future__ import annotations
 
 import contextlib
-import random
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +21,13 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
 from nanhunt.precision._state import rebind
+from nanhunt.replay.contract import (  # the one replay contract's generators
+    cuda_devices,
+    isolated,
+    rng_kept,
+    rng_state,
+    set_rng_state,
+)
 
 __all__ = ["Entry", "Tape", "autocast_pinned", "cast_floating", "cuda_devices", "rng_kept",
            "rng_state", "set_rng_state"]
@@ -37,50 +42,6 @@ def _name(func: Any) -> str:
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
-def cuda_devices() -> list[int]:
-    """CUDA devices whose generators exist now (asked each time: a script initialises CUDA
-    after nanhunt starts)."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return []
-    return list(range(torch.cuda.device_count()))
-
-
-def rng_state() -> tuple[Any, ...]:
-    """Every generator a module's forward may draw from: torch's CPU and CUDA generators, and
-    Python's and numpy's global ones (stochastic depth written with ``random.random()``)."""
-    np_random = _numpy_random()
-    return (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda_devices()},
-            random.getstate(), np_random.get_state() if np_random is not None else None)
-
-
-def set_rng_state(state: tuple[Any, ...]) -> None:
-    cpu, cuda, py, np_state = state
-    torch.set_rng_state(cpu)
-    for d, s in cuda.items():
-        torch.cuda.set_rng_state(s, d)
-    random.setstate(py)
-    np_random = _numpy_random()
-    if np_state is not None and np_random is not None:
-        np_random.set_state(np_state)
-
-
-def _numpy_random() -> Any:
-    # only when the script imported numpy itself: the audit never imports it for the user
-    np = sys.modules.get("numpy")
-    return getattr(np, "random", None) if np is not None else None
-
-
-@contextlib.contextmanager
-def rng_kept() -> Iterator[None]:
-    """The user's generators as they were when the block began (``torch.random.fork_rng``
-    covers torch's only)."""
-    state = rng_state()
-    try:
-        yield
-    finally:
-        set_rng_state(state)
 
 
 def _autocast_state() -> dict[str, tuple[bool, torch.dtype]]:
@@ -205,6 +166,12 @@ class Tape:
         the autocast state of each call, ``inputs`` maps arguments that did not come from the
         tape (the batch, targets, the scaler's scale).
         """
+        with isolated(neutral=False):  # the replay contract: generators and modes put back
+            return self._replay(entries, params, autocast, inputs)
+
+    def _replay(self, entries: list[Entry], params: Callable[[Entry], dict[str, torch.Tensor]],
+                autocast: Callable[[Entry], dict[str, tuple[bool, torch.dtype]]],
+                inputs: Callable[[Any], Any]) -> dict[int, Any]:
         env: dict[int, Any] = {}
         originals: dict[int, torch.Tensor] = {}  # identity, not just id: ids are reused
 

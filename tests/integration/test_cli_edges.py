@@ -163,7 +163,7 @@ def test_ctrl_c_before_the_script_starts_is_one_line_and_130(tmp_path, trigger):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trigger",
-                         ["nanhunt.pipeline", "nanhunt.replay.zoom", "nanhunt.analyse.advise"])
+                         ["nanhunt.pipeline", "nanhunt.replay.module", "nanhunt.analyse.advise"])
 def test_ctrl_c_during_the_analysis_keeps_a_report(tmp_path, trigger):
     code, err = _interrupt_after(tmp_path, _SHORT, trigger)
     assert code == 130, err

@@ -54,7 +54,9 @@ def _run(cwd: Path, mode: str, arch: str) -> tuple[subprocess.CompletedProcess, 
 
 def prefetch(cli) -> dict:
     """The four runs, in the session's shared pool (tests/integration/conftest.py; started when
-    collection ends), each in a fresh folder."""
+    collection ends), each in a fresh folder; and the runs of a script that saves its model."""
+    for mode in _SAVE_MODES:
+        _saves_model(cli, mode)
     return {(mode, arch): cli.call(("sentinel-cli", mode, arch),
                                    lambda cwd, m=mode, a=arch: _run(cwd, m, a))
             for mode in ("full", "sentinel") for arch in ("mlp", "cnn")}
@@ -88,3 +90,38 @@ def test_sample_every_is_refused_with_sentinel(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "nanhunt: --sample-every applies to --mode full only"
+
+
+SAVES_MODEL = '''
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    opt.zero_grad(); model(torch.randn(8, 4)).pow(2).mean().backward(); opt.step()
+    torch.save(model, "model.pt")
+'''
+
+_SAVE_MODES = {
+    "full": ("diagnose", "train.py"),
+    "sentinel": ("diagnose", "--mode", "sentinel", "train.py"),
+    "sampled": ("diagnose", "--sample-every", "2", "train.py"),
+    "audit": ("audit", "--steps", "2", "train.py"),
+}
+
+
+def _saves_model(cli, mode):
+    return cli.submit_with_files({"train.py": SAVES_MODEL}, *_SAVE_MODES[mode])
+
+
+@pytest.mark.parametrize("mode", list(_SAVE_MODES))
+def test_a_script_that_saves_its_whole_model_runs_unchanged_in_every_mode(cli, mode, tmp_path):
+    # the plain run's checkpoint is the reference
+    (tmp_path / "train.py").write_text(SAVES_MODEL)
+    plain = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert plain.returncode == 0, plain.stderr
+    r = _saves_model(cli, mode).result()
+    assert r.code == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert (r.cwd / "model.pt").read_bytes() == (tmp_path / "model.pt").read_bytes()

@@ -11,10 +11,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
@@ -142,14 +145,83 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["no-scaler", "gradscaler"])
 @pytest.mark.parametrize("arch", ["mlp", "cnn"])
-def test_losses_and_parameters_are_bit_identical(arch, scaled):
-    # the plant keeps failing after AT, so the replay, the analysis and the report all run
+def test_losses_and_parameters_are_bit_identical(arch, scaled, tmp_path):
+    # the plant keeps failing after AT; with ``out`` the replay, the analysis and the reports
+    # all run (the MLP has dropout: they must not draw from the user's generator)
     _, plain_losses, plain_params = train(arch, "forward", scaled)
+    out = tmp_path / "report"
     sent, losses, params = train(arch, "forward", scaled,
-                                 lambda m, o, s: nanhunt.sentinel(m, o, s, out=None))
-    assert sent.first_failure is not None
+                                 lambda m, o, s: nanhunt.sentinel(m, o, s, out=out))
+    assert sent.first_failure is not None and (out / "report.json").exists()
     assert [repr(x) for x in losses] == [repr(x) for x in plain_losses]
     assert _same(params, plain_params)
+
+
+class DropBlock(nn.Module):
+    """Module dropout and functional dropout, and an output that overflows float16 when the
+    batch is large (the issue's reproduction: the culprit itself draws random numbers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 32)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        h = F.dropout(self.drop(self.fc(x)), 0.1, self.training)
+        return h * h * x.abs().amax()
+
+
+def _seeded_loop(session=None, scaled=True, steps=12, bad=6):
+    """A seeded loop (SGD, fp16 autocast, optionally GradScaler) whose step ``bad`` overflows;
+    the loop also draws from Python's and numpy's generators, as data code does. Returns the
+    session, the losses, the parameters after every step and the loop's own draws."""
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    model = nn.Sequential(DropBlock(), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu") if scaled else None
+    s = session(model, opt, scaler) if session else contextlib.nullcontext()
+    losses, params, draws = [], [], []
+    with s:
+        for i in range(steps):
+            x, y = torch.randn(16, 8), torch.randn(16, 1)
+            if i == bad:
+                x = x * 100
+            draws.append((random.random(), float(np.random.rand())))
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = (out.float() - y).pow(2).mean()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                for p in model.parameters():  # the loop's own guard keeps the weights finite
+                    p.grad.nan_to_num_(0.0, 0.0, 0.0)
+                opt.step()
+            losses.append(loss.item())
+            params.append([p.detach().clone() for p in model.parameters()])
+    return s, losses, params, draws
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["gradscaler", "no-scaler"])
+def test_training_after_a_trip_is_bit_identical_with_the_analysis_and_reports(scaled, tmp_path):
+    _, plain_losses, plain_params, plain_draws = _seeded_loop(scaled=scaled)
+    out = tmp_path / "report"
+    sent, losses, params, draws = _seeded_loop(
+        lambda m, o, s: nanhunt.sentinel(m, o, s, out=out, stop=False), scaled=scaled)
+    # the analysis really ran: the failure was replayed, diagnosed and reported
+    assert sent.first_failure is not None and sent.first_failure.step == 6
+    assert "reproduced" in " ".join(sent.notes) and (out / "report.json").exists()
+    assert sent.internal_errors == []
+    # and every step, before and after the trip, is the plain run's, bit for bit
+    assert [repr(x) for x in losses] == [repr(x) for x in plain_losses]
+    for step, (a, b) in enumerate(zip(params, plain_params)):
+        assert _same(a, b), f"parameters differ after step {step}"
+    assert draws == plain_draws
 
 
 @pytest.mark.parametrize("arch", ["mlp", "cnn"])
@@ -157,8 +229,31 @@ def test_stop_ends_the_block_after_the_failing_step(arch, tmp_path):
     seen = []
     sent, _, _ = train(arch, "batch", False, lambda m, o, s: nanhunt.sentinel(
         m, o, s, out=tmp_path / "r", stop=True), on_step=seen.append)
-    assert seen[-1] == AT - 1  # the failing step raised StopRun out of its optimizer step
+    # the failing step ran to its end (the analysis waits for the user's step to return);
+    # the script stopped before the next step's forward, where the analysis ran
+    assert seen[-1] == AT
     assert sent.first_failure.step == AT and (tmp_path / "r" / "report.json").exists()
+
+
+def test_a_trip_in_the_last_step_is_analysed_when_the_session_stops(tmp_path):
+    out = tmp_path / "r"
+    sent, _, _ = train("mlp", "batch", False, lambda m, o, s: nanhunt.sentinel(
+        m, o, s, out=out), steps=AT + 1)
+    assert where(sent.first_failure) == (AT, "data", "Sequential", "input[0]")
+    assert (out / "report.json").exists()
+
+
+def test_capture_never_imports_the_pipeline_or_the_replay():
+    import ast
+    from pathlib import Path
+
+    capture = Path(nanhunt.__file__).parent / "capture"
+    for path in capture.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                target = "." * node.level + node.module
+                assert not target.lstrip(".").startswith(("pipeline", "replay")), \
+                    f"{path.name} imports {target}"
 
 
 def test_start_stop_without_with_and_stop_raises():
@@ -330,3 +425,33 @@ def test_optimizer_closure_steps_are_checked_after_the_closure(arch):
     sent = _closure_run(arch, lambda m, o: nanhunt.sentinel(m, o, out=None))
     assert ref.step == 10 and where(sent.first_failure) == where(ref)
     assert "reproduced" in " ".join(sent.notes)
+
+
+class InnerAutocast(nn.Module):
+    """Autocast entered inside the forward (accelerate wraps ``model.forward`` this way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.b(torch.relu(self.a(x))).float()
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["model-given", "roots-learned"])
+@pytest.mark.parametrize("inner", [True, False], ids=["inside-forward", "around-forward"])
+def test_the_target_of_a_bf16_autocast_run_is_bfloat16(inner, given):
+    model = InnerAutocast()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.sentinel(model if given else None, opt if given else None, out=None) as sent:
+        for _ in range(3):
+            opt.zero_grad()
+            if inner:
+                loss = model(torch.randn(2, 4)).sum()
+            else:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model.b(model.a(torch.randn(2, 4))).float().sum()
+            loss.backward()
+            opt.step()
+    assert (sent.target, sent.target_source) == ("bfloat16", "autocast")

@@ -12,7 +12,7 @@ from torch import nn
 
 import nanhunt
 from nanhunt.pipeline import analyse
-from nanhunt.replay import zoom
+from nanhunt.replay import files, module, show
 
 
 class LogLoss(nn.Module):
@@ -98,8 +98,8 @@ def test_float32_verification_depends_on_the_replay(scale, fits):
     # 8 * 100 * 1e4 / 10 = 8e5 overflows even when computed in float32 and cast back
     hunt = _overflow_snapshot(scale)
     snap = hunt.snapshot
-    assert zoom.replay(snap).first.op == "aten.mm"
-    r32 = zoom.replay(snap, "float32")
+    assert module.replay(snap).first.op == "aten.mm"
+    r32 = module.replay(snap, "float32")
     assert r32.first is None and r32.outputs_finite
     assert (r32.output_amax <= 65504) is fits
     trace = analyse(hunt.trace(), snap)
@@ -112,12 +112,12 @@ def test_float32_verification_depends_on_the_replay(scale, fits):
 def test_snapshot_round_trip_and_replay_output(tmp_path):
     hunt = _overflow_snapshot(100.0)
     path = tmp_path / "snapshot.pt"
-    zoom.save_snapshot(hunt.snapshot, path)
-    snap = zoom.load_snapshot(path)
+    files.save_snapshot(hunt.snapshot, path)
+    snap = files.load_snapshot(path)
     assert snap.name == "Wide" and snap.autocast == (True, torch.float16)
-    result = zoom.replay(snap)
+    result = module.replay(snap)
     out = io.StringIO()
-    zoom.print_replay(snap, result, Console(file=out, width=100, color_system=None))
+    show.print_replay(snap, result, Console(file=out, width=100, color_system=None))
     text = out.getvalue()
     assert "▶ aten.mm" in text
     assert "first non-finite value: aten.mm (forward)" in text
@@ -125,11 +125,11 @@ def test_snapshot_round_trip_and_replay_output(tmp_path):
 
 def test_load_snapshot_errors(tmp_path):
     with pytest.raises(nanhunt.NanhuntError, match="no such snapshot"):
-        zoom.load_snapshot(tmp_path / "missing.pt")
+        files.load_snapshot(tmp_path / "missing.pt")
     bad = tmp_path / "bad.pt"
     torch.save({"format": "other"}, bad)
     with pytest.raises(nanhunt.NanhuntError, match="not a nanhunt snapshot"):
-        zoom.load_snapshot(bad)
+        files.load_snapshot(bad)
 
 
 def test_stale_inputs_are_detected_not_trusted():
