@@ -120,3 +120,26 @@ def test_a_forward_wrapped_in_bf16_autocast_is_audited_in_bfloat16_against_real_
     assert [f for _, f in got] == pytest.approx(refs, rel=1e-6)
     assert all(t != f for t, f in got)  # bf16 against float32: not "exact"
     assert all(math.isfinite(x.sqnr_db) for x in audit.layers if x.module in ("0", "2"))
+
+
+def test_a_simulated_target_is_computed_in_the_target_inside_a_wrapped_forward():
+    """--target float16 on a run whose forward enters bf16 autocast itself: the float16 replay
+    computes in float16 (the forward's own autocast follows the target), against a float16
+    autocast run of the class's own forward by hand."""
+    torch.manual_seed(0)
+    model = _wrapped_in_autocast(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4)))
+    batches = [(torch.randn(16, 8) * 3, torch.randint(0, 4, (16,))) for _ in range(2)]
+    session = AuditSession(["float16"], steps=1, warmup=1, label="model")
+    with session:
+        for x, y in batches:
+            nn.functional.cross_entropy(model(x).float(), y).backward()
+            model.zero_grad()
+    audit = session.audit
+    assert audit is not None and (audit.target, audit.mode) == ("float16", "simulated")
+    x, y = batches[1]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        want = nn.functional.cross_entropy(type(model).forward(model, x).float(), y).item()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = nn.functional.cross_entropy(type(model).forward(model, x).float(), y).item()
+    assert want != bf16
+    assert audit.loss_by_step[0].target == pytest.approx(want, rel=1e-6)
