@@ -259,6 +259,9 @@ class Failure:
     detail: str = ""
     bad_samples: dict[str, list[int]] = field(default_factory=dict)  # input -> sample indices
     inputs: list[InputRange] = field(default_factory=list)  # the failing call's inputs (replay)
+    # False: the value's origin was not observed (the module read weights that were already
+    # non-finite, made so by code nanhunt does not watch): no cause may be named from it
+    observed: bool = True
 
     def where(self) -> str:
         parts = [f"step {self.step}", self.phase]

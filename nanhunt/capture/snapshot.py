@@ -37,6 +37,8 @@ class Snapshots(Part):
             return
         # (a collapsing scale fails the same way every step: this step's call will do)
         call = self.culprit_call(f.module, f.step)
+        if call is not None and f.phase == "forward":
+            self.weights_before(call)
         if call is None or call.args is None:
             return
         stale = list(call.mutated_inputs)
@@ -63,6 +65,25 @@ class Snapshots(Part):
             self.bad_samples(call)
         else:
             self.s.snapshot.ancestors = self.ancestor_snapshots(call)
+
+    @torch.no_grad()
+    def weights_before(self, call: _Call) -> None:
+        """A forward failure whose module read non-finite weights did not start in this call:
+        the weights were made non-finite before it, where nanhunt did not look (a hand-written
+        update, a load, an edit of ``.data``; an optimizer step nanhunt observes is located at
+        that step instead). The failure says so and names no cause (checked at a failure
+        only: one pass over the culprit's own parameters)."""
+        f = self.judge.first_failure
+        bad = [f"{call.name}.{n}" for n, p in call.module.named_parameters()
+               if _stats.summarizable(p) and not bool(torch.isfinite(p).all())]
+        if f is None or not bad:
+            return
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        f.observed = False
+        f.detail = (f"{call.name} read parameters that were already non-finite "
+                    f"({', '.join(bad[:3])}{more}): they were made so before this call, by code "
+                    "nanhunt does not observe (a hand-written optimizer step, a load, an edit "
+                    "of .data) or in a step it did not trace")
 
     def culprit_call(self, module: str, step: int) -> _Call | None:
         """The culprit's call in this step: the one the judge located when it was this step

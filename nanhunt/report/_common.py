@@ -213,7 +213,8 @@ def _problem_text(trace: Trace) -> str:
     kind = kind.replace("_", " ")
     ff = trace.first_failure
     if diag is not None and diag.rule == "untraced-step" and ff is not None:
-        return f"non-finite {ff.tensor} at step {ff.step}: origin not observed (step not traced)"
+        why = "step not traced" if ff.observed else "weights non-finite before the step"
+        return f"non-finite {ff.tensor} at step {ff.step}: origin not observed ({why})"
     if diag is not None and ff is not None and (diag.phase or diag.module):
         # the cause, not where the symptom surfaced: a collapse caused by a backward op is
         # that op's, in backward; a misused GradScaler is the loop's line, not a module

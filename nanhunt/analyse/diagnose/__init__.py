@@ -70,6 +70,8 @@ def _untraced_failure(ctx: Context) -> bool:
     """The failing step was one --sample-every did not trace: only its loss and gradient norm
     were checked, so the first non-finite value seen there is not its origin."""
     f = ctx.failure
+    if f is not None and not f.observed:
+        return True  # the module read weights made non-finite where nanhunt did not look
     if f is None or f.phase == "data":
         return False
     rec = ctx.steps.get(f.step)
@@ -90,23 +92,34 @@ def _diagnose_untraced(trace: Trace, ctx: Context) -> None:
     if after:
         evidence.append(f"nanhunt traced the {len(after)} steps after it in full and the failure "
                         "did not recur there")
+    if not f.observed:
+        message = (
+            f"step {f.step} went non-finite ({_where(f)}: {_counts(f.stats)}), but {f.detail}; "
+            "its origin was not observed, so no cause is named. Check the code that updates "
+            "or loads those weights, or train with a torch optimizer so that nanhunt sees "
+            "the update that made them non-finite")
+        evidence.insert(0, f.detail)
+    else:
+        message = (
+            f"step {f.step} went non-finite ({_where(f)}: {_counts(f.stats)}), but it was not "
+            "traced (--sample-every): its origin was not observed, so no cause is named. Run "
+            f"again without --sample-every (or with --max-steps {f.step + 1}) to trace step "
+            f"{f.step}")
     trace.diagnosis = Finding(
         rule="untraced-step",
         kind="",
         severity="error",
-        message=(
-            f"step {f.step} went non-finite ({_where(f)}: {_counts(f.stats)}), but it was not "
-            "traced (--sample-every): its origin was not observed, so no cause is named. Run "
-            f"again without --sample-every (or with --max-steps {f.step + 1}) to trace step "
-            f"{f.step}"
-        ),
+        message=message,
         evidence=evidence,
         step=f.step,
         score=ERROR_SCORE,
         data={"observed": False},
     )
     trace.warnings = []
-    trace.notes.append(f"step {f.step} was not traced: the diagnosis names no cause")
+    trace.notes.append(f"step {f.step} was not traced: the diagnosis names no cause"
+                       if f.observed else
+                       f"the origin of step {f.step}'s failure was not observed: the diagnosis "
+                       "names no cause")
 
 
 def diagnose(trace: Trace, *, strict: bool = False, thresholds: Thresholds | None = None) -> None:

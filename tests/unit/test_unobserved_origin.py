@@ -1,0 +1,87 @@
+"""A failure whose origin nanhunt did not observe gets no confident cause (issue 21, item 3).
+
+The script trains with a hand-written SGD (``p.data.add_(...)``, as pytorch/
+examples' word_language_model does): no torch optimizer, so no hook sees the update. At step
+``BAD`` a bug in it writes inf into the LayerNorm's weight; the next forward reads it and
+the loss goes NaN. The reference is the script itself: the weights
+were finite after step ``BAD - 1`` and non-finite after step ``BAD``'s update, before any
+module ran again (checked below by hand). Every mode must say that the origin was not observed
+instead of naming the LayerNorm's forward as an overflow or invalid op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nanhunt
+from nanhunt.pipeline import analyse
+
+BAD, STEPS = 6, 9
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 16)
+
+    def forward(self, ids):
+        return self.out(self.norm(self.emb(ids)))
+
+
+def train(session=None, finite_after=None):
+    torch.manual_seed(0)
+    model = TinyLM()
+    g = torch.Generator().manual_seed(1)
+    s = session(model) if session else None
+    ctx = s if s is not None else _Null()
+    with ctx:
+        for step in range(STEPS):
+            ids = torch.randint(0, 16, (4, 5), generator=g)
+            model.zero_grad()
+            loss = nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+            loss.backward()
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+                if step == BAD and p is model.norm.weight:  # a bug in the hand-written step
+                    p.data.mul_(1e20).mul_(1e20)  # overflows float32
+            if finite_after is not None:
+                finite_after.append(all(bool(torch.isfinite(p).all())
+                                        for p in model.parameters()))
+    return s
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_the_reference_the_update_of_step_bad_makes_the_weights_non_finite():
+    finite = []
+    train(finite_after=finite)
+    assert finite[:BAD] == [True] * BAD and finite[BAD] is False
+
+
+@pytest.mark.parametrize("mode", ["full", "sampled", "sentinel"])
+def test_no_cause_is_named_for_weights_made_non_finite_unobserved(mode):
+    session = {"full": lambda m: nanhunt.Hunt(m),
+               "sampled": lambda m: nanhunt.Hunt(m, sample_every=4),
+               "sentinel": lambda m: nanhunt.sentinel(m, out=None)}[mode]
+    s = train(session)
+    f = s.first_failure
+    assert f is not None and f.step > BAD  # where the symptom surfaced, after the bad update
+    # (full tracing sees the next forward read the inf weight; the cheaper modes see a later
+    # step, after the NaN gradients it made were applied to every weight)
+    assert (f.module, f.step) == ("norm", BAD + 1) or mode != "full"
+    assert f.observed is False and "already non-finite" in f.detail
+    assert f"{f.module}.weight" in f.detail
+    trace = analyse(s.trace(), s.snapshot)
+    d = trace.diagnosis
+    assert d is not None and d.rule == "untraced-step" and d.kind == ""
+    assert "no cause is named" in d.message and f"{f.module}.weight" in d.message
