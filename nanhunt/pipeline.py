@@ -36,6 +36,11 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
     if optimizer_snapshot is not None:
         _guard(trace, "optimizer replay", optimizer.zoom_optimizer, trace, optimizer_snapshot)
     if snapshot is not None:
+        from nanhunt.replay.compiled import look_inside
+
+        # a compiled module was seen at its boundary: name the layer inside by an eager replay
+        snapshot = _guard(trace, "compiled-module replay", look_inside, trace, snapshot) \
+            or snapshot
         _guard(trace, "op-level replay", module.zoom_into, trace, snapshot)
         if out_dir is not None:
             name = _guard(trace, "snapshot", files.save_snapshot, snapshot,
@@ -48,6 +53,10 @@ def analyse(trace: Trace, snapshot: Any = None, *, strict: bool = False,
     except ImportError:  # pragma: no cover - during development only
         return trace
     _guard(trace, "diagnosis", diagnose, trace)
+    if snapshot is not None:
+        from nanhunt.replay.compiled import compiled_evidence
+
+        compiled_evidence(trace)
     _promote_severe_underflow(trace)
     if trace.diagnosis is not None and trace.diagnosis.severity == "error":
         trace.problem = True  # e.g. a misused GradScaler before anything went non-finite

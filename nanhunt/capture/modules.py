@@ -21,6 +21,7 @@ from nanhunt.capture._util import (
     _version,
     module_caller,
 )
+from nanhunt.capture.compiled import compiled_boundary
 from nanhunt.capture.state import Part, _Call, _Frame, _Meta
 
 
@@ -32,10 +33,14 @@ class ModuleObserver(Part):
     def __init__(self, session: Any) -> None:
         super().__init__(session)
         self._handles: list[Any] = []
+        self.compiled: set[str] = set()  # compiled modules that ran (seen at their boundary)
 
     def install(self, stack: Any) -> None:
         self.set_hooks(True)
         stack.callback(self.set_hooks, False)
+        # compiled modules run without our hooks inside, recorded at their boundary
+        stack.enter_context(compiled_boundary(self._on_pre, self._on_post, self.compiled,
+                                              self.s.naming))
 
     def set_hooks(self, on: bool) -> None:
         """Global module hooks slow every module call, so sampled mode drops them between

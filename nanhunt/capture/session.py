@@ -474,6 +474,12 @@ class Session:
             failure.bad_samples = dict(self.failure_extra["bad_samples"])
         notes = [f"nanhunt stopped tracing after an internal error: {e}"
                  for e in self.internal_errors]
+        compiled = sorted(getattr(getattr(self, "modules", None), "compiled", ()))
+        if compiled:
+            notes.append(
+                f"compiled with torch.compile, seen only at the boundary: {', '.join(compiled)} "
+                "(its inputs, outputs and their gradients; the modules inside ran in the "
+                "compiled graph, unobserved, so that the run is the plain compiled run)")
         untraced = self.judge.untraced_failure
         if failure is None and untraced is not None:
             failure = copy.deepcopy(untraced)  # it never recurred: its origin was not observed

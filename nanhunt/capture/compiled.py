@@ -1,0 +1,104 @@
+"""Compiled modules (``torch.compile(module)``) seen from outside.
+
+nanhunt's global module hooks would be traced into a compiled module's graph: Dynamo inlines or
+breaks on them, inductor then fuses differently, the losses change from the first step, and
+torch warns into the user's stderr that global hooks fire for the ``OptimizedModule``. So while
+a compiled module runs, nanhunt's own observing hooks are taken out of torch's global hook
+tables (the user's and a ``--fix``'s stay) and the call is recorded at its boundary, as one
+module call: its inputs, its outputs and their gradients. The graph Dynamo builds is then the
+one the plain run builds, and nothing recompiles. The modules inside are not observed; the
+report says which compiled modules were seen only at their boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch.nn.modules import module as _M
+
+__all__ = ["OBSERVERS", "compiled_boundary", "observing_hooks_removed"]
+
+#: nanhunt's packages whose global module hooks only observe (a --fix's hooks change the
+#: program on purpose and stay)
+OBSERVERS = ("nanhunt.capture", "nanhunt.precision")
+_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+           "_global_backward_hooks")
+
+
+def _ours(fn: Any) -> bool:
+    return str(getattr(fn, "__module__", "") or "").startswith(OBSERVERS)
+
+
+@contextlib.contextmanager
+def observing_hooks_removed() -> Iterator[None]:
+    """nanhunt's observing global module hooks out of torch's tables, then back in place (a hook
+    registered meanwhile keeps its place after them)."""
+    saved: list[tuple[dict, list[tuple[Any, Any]], dict]] = []
+    for name in _TABLES:
+        table = getattr(_M, name, None)
+        if not isinstance(table, dict) or not any(_ours(fn) for fn in table.values()):
+            continue
+        before = list(table.items())
+        flags = {}
+        for key, fn in before:
+            if _ours(fn):
+                del table[key]
+                for flag_table in ("_global_forward_hooks_with_kwargs",
+                                   "_global_forward_hooks_always_called"):
+                    flags_dict = getattr(_M, flag_table, None)
+                    if isinstance(flags_dict, dict) and key in flags_dict:
+                        flags[(flag_table, key)] = flags_dict.pop(key)
+        saved.append((table, before, flags))
+    try:
+        yield
+    finally:
+        for table, before, flags in saved:
+            added = [(k, v) for k, v in table.items() if all(k != b for b, _ in before)]
+            table.clear()
+            table.update(before)
+            table.update(added)
+            for (flag_table, key), value in flags.items():
+                getattr(_M, flag_table)[key] = value
+
+
+def _optimized_module() -> type | None:
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # a torch without Dynamo
+        return None
+    return OptimizedModule
+
+
+@contextlib.contextmanager
+def compiled_boundary(pre: Any, post: Any, seen: set[str], naming: Any) -> Iterator[None]:
+    """While installed, a call of a compiled module runs with nanhunt's observing hooks out of
+    the tables; ``pre(module, args)`` and ``post(module, args, kwargs, output)`` record it from
+    outside. ``seen`` collects the names of the compiled modules that ran."""
+    cls = _optimized_module()
+    if cls is None:
+        yield
+        return
+    own = "__call__" in cls.__dict__
+    original = cls.__call__
+
+    def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:
+        pre(module, args)
+        with observing_hooks_removed():
+            output = original(module, *args, **kwargs)
+        post(module, args, kwargs, output)
+        with contextlib.suppress(Exception):
+            seen.add(naming.names.get(module) or naming.names.get(module._orig_mod)
+                     or type(module._orig_mod).__name__)
+        return output
+
+    __call__.__wrapped__ = original  # type: ignore[attr-defined]
+    cls.__call__ = __call__
+    try:
+        yield
+    finally:
+        if own:
+            cls.__call__ = original
+        else:
+            del cls.__call__
