@@ -73,9 +73,19 @@ def _float32(bits: int) -> float:
 
 
 @torch.no_grad()
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor (FSDP2, tensor parallel), else ``t``: statistics are
+    computed on the local values (a DTensor op would need a collective, and has no rule for
+    some ops, such as bincount)."""
+    if type(t).__name__ == "DTensor" and hasattr(t, "to_local"):
+        return t.to_local()
+    return t
+
+
 def summarize(t: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
-    """One float64 row of statistics for ``t``, on ``t``'s device, without syncing the host."""
-    x = t.detach()
+    """One float64 row of statistics for ``t``, on ``t``'s device, without syncing the host
+    (a DTensor's local shard)."""
+    x = local(t.detach())
     n = x.numel()
     if n == 0:
         row = torch.zeros(ROW_LEN, dtype=torch.float64, device=x.device)

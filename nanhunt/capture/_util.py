@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanhunt import stats as _stats
 from nanhunt._patching import patch  # noqa: F401 (the capture observers import it from here)
 from nanhunt._paths import PACKAGE_DIR
 
@@ -122,6 +123,7 @@ def _unwrap(root: nn.Module) -> nn.Module:
 
 
 def _foreach_norm(tensors: list[torch.Tensor], ord: float) -> tuple[torch.Tensor, ...]:
+    tensors = [_stats.local(t) for t in tensors]  # a DTensor's local shard
     try:
         return torch._foreach_norm(tensors, ord, dtype=torch.float32)
     except (TypeError, RuntimeError):  # older torch: no dtype argument
@@ -132,6 +134,7 @@ def _foreach_amax(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Each tensor's largest |x| as float64 on their (one) device: NaN when it holds a NaN,
     inf when an inf. On a CPU one aminmax pass per tensor (the CPU's inf-norm kernel is about
     15x slower); elsewhere one fused norm kernel."""
+    tensors = [_stats.local(t) for t in tensors]  # a DTensor's local shard
     if tensors and tensors[0].device.type == "cpu":
         lo, hi = [], []
         for t in tensors:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -315,13 +316,18 @@ def test_keep_going_runs_do_not_vote():
 
 
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``cmd`` in a process group of its own, killed whole if it outlives HARD_TIMEOUT (a hung
+    worker must not outlive the test)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", NANHUNT_RANK_TIMEOUT="30", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
     try:
-        return subprocess.run(
-            cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=HARD_TIMEOUT
-        )
-    except subprocess.TimeoutExpired as exc:  # pragma: no cover - the failure being tested
-        pytest.fail(f"hung: {cmd} did not finish in {HARD_TIMEOUT} s\n{exc.stderr}")
+        out, err = proc.communicate(timeout=HARD_TIMEOUT)
+    except subprocess.TimeoutExpired:  # pragma: no cover - the failure being tested
+        os.killpg(proc.pid, signal.SIGKILL)
+        _out, err = proc.communicate()
+        pytest.fail(f"hung: {cmd} did not finish in {HARD_TIMEOUT} s\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _torchrun(*args: str) -> list[str]:
@@ -448,3 +454,28 @@ def test_a_killed_rank_is_named_as_not_answering(tmp_path):
     assert [(r["rank"], r["answered"]) for r in report["ranks"]] == [(0, True), (1, False)]
     assert report["run"]["status"] == "crashed"
     assert any(n.startswith("rank 1 did not answer") for n in report["notes"]), report["notes"]
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fsdp2_mixed_precision_overflow_on_one_rank_names_the_layer_and_rank(tmp_path, dtype):
+    """FSDP2 with MixedPrecisionPolicy(param_dtype=...): statistics on the local shards (no
+    DTensor op), module names as the user wrote them, the overflowing layer on rank 1."""
+    proc = _run(_torchrun("--quiet", "--out", "out", str(SCRIPTS / "fsdp2_overflow.py"),
+                          "--param-dtype", dtype, "--plant"), tmp_path)
+    assert "internal error" not in proc.stderr, proc.stderr
+    report = _report(tmp_path / "out")
+    ff = report["first_failure"]
+    assert (ff["rank"], ff["step"], ff["phase"], ff["module"], ff["tensor"]) == (
+        1, 2, "forward", "2", "output"), proc.stderr
+    assert ff["stats"]["dtype"] == dtype  # the policy's compute dtype
+    assert ff["stats"]["posinf"] + ff["stats"]["neginf"] > 0
+    assert 0 < ff["inputs"][0]["amax"] < 10  # a finite, modest input: the layer made it
+    assert report["diagnosis"]["kind"] == "overflow"
+    modules = {layer["module"] for layer in report["layers"]}
+    assert {"0", "2", "3"} <= modules  # unsharded names, no FSDP prefix
+    assert [(r["rank"], r["answered"], len(r["steps"])) for r in report["ranks"]] == [
+        (0, True, 3), (1, True, 3)]

@@ -1,0 +1,62 @@
+"""FSDP2 (fully_shard with a MixedPrecisionPolicy) on CPU with gloo, 2 ranks under torchrun.
+
+    torchrun --standalone --nproc-per-node 2 fsdp2_overflow.py --param-dtype float16
+    torchrun --standalone --nproc-per-node 2 fsdp2_overflow.py --param-dtype bfloat16 --plant
+
+With --plant, rank 1's ``boost`` layer multiplies its input by the format's max at step 2: its
+output overflows (the layer before it, ``0``, and every other rank stay finite). Prints
+``rank R step S loss X``.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+class Boost(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.factor = 1.0
+
+    def forward(self, x):
+        return x * self.factor
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--param-dtype", choices=["float16", "bfloat16"], default="float16")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--plant", action="store_true")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dtype = getattr(torch, args.param_dtype)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), Boost(), nn.Linear(16, 4))
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for layer in (model[0], model[3]):
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(args.steps):
+            g = torch.Generator().manual_seed(10 * rank + step)
+            x = torch.randn(4, 8, generator=g)
+            y = torch.randn(4, 4, generator=g)
+            model[2].factor = torch.finfo(dtype).max if args.plant and rank == 1 and step == 2 \
+                else 1.0
+            loss = F.mse_loss(model(x).float(), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
