@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "EXIT_INTERNAL",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_PROBLEM",
@@ -14,6 +15,7 @@ __all__ = [
 
 #: what every entry point returns (the CLI's `--help` says what each means)
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_SCRIPT_FAILED = 0, 1, 2, 3
+EXIT_INTERNAL = 4  # nanhunt itself failed (a bug of ours): the report says what was recorded
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM, as shells report
 
 

@@ -45,6 +45,8 @@ exit codes:
   1    a problem was found and reported
   2    usage error (missing script or module, bad option, unreadable report)
   3    the script failed for another reason (its traceback is printed as Python prints it)
+  4    nanhunt itself failed (an internal error, one line on stderr); the script ran as
+       without nanhunt and the report keeps what was recorded until then
   130  interrupted (Ctrl-C); a partial report is written if the script had started
   143  terminated (SIGTERM); a partial report is written
   n    the script called sys.exit(n) and no problem was found

@@ -27,7 +27,7 @@ from nanhunt.cli.args import (
     diagnose_parser,
     split_argv,
 )
-from nanhunt.errors import NanhuntError
+from nanhunt.errors import EXIT_INTERNAL, NanhuntError
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_SCRIPT_FAILED", "EXIT_USAGE",
            "entry", "main", "split_argv"]
@@ -196,9 +196,14 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
         if old_term is not None and ctx.distributed:
             # torchrun sends SIGTERM to every worker once one fails: finish the report first
             signal.signal(signal.SIGTERM, ctx.defer_sigterm)
-        hunt.stop()
-        # a fix for the workers' training is theirs to apply
-        mismatch = fixes.uninstall(completed=_ran_to_end(outcome) and ctx.workers is None)
+        try:
+            # (an error of ours in the last transfer is a note in the report, never an
+            # exception here; and the fixes come off even then, after the session's own
+            # patches, in the reverse order of their installation)
+            hunt.stop()
+        finally:
+            # a fix for the workers' training is theirs to apply
+            mismatch = fixes.uninstall(completed=_ran_to_end(outcome) and ctx.workers is None)
         if old_term is not None and not ctx.distributed:
             signal.signal(signal.SIGTERM, old_term)
     if isinstance(outcome.error, FixMismatch) or mismatch:
@@ -251,7 +256,11 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     finally:
         if old_term is not None and ctx.distributed:
             signal.signal(signal.SIGTERM, old_term)
-    return ctx.exit_code(_exit_code(trace, outcome, opts.strict), trace)
+    code = _exit_code(trace, outcome, opts.strict)
+    if code == outcome.exit_code and outcome.status in ("complete", "exited") and \
+            getattr(hunt, "internal_errors", None):
+        code = EXIT_INTERNAL  # nothing found, but nanhunt stopped tracing: not a clean bill
+    return ctx.exit_code(code, trace)
 
 
 def _ran_to_end(outcome: Any) -> bool:

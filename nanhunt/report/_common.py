@@ -160,8 +160,15 @@ def has_problem(trace: Trace) -> bool:
     return trace.problem or trace.first_failure is not None or diag_error
 
 
+#: how a session's trace notes an internal error of nanhunt's (capture/session.py)
+INTERNAL_ERROR_NOTE = "nanhunt stopped tracing after an internal error"
+
+
 def partial_line(trace: Trace) -> str | None:
     if not trace.partial:
+        if any(n.startswith(INTERNAL_ERROR_NOTE) for n in trace.notes):
+            # nothing found may only mean nothing was recorded after the error
+            return "PARTIAL REPORT (nanhunt stopped tracing after an internal error, see notes)"
         return None
     status = trace.run.status
     error = first_line(trace.run.error)
