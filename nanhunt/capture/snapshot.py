@@ -83,7 +83,8 @@ class Snapshots(Part):
         f.detail = (f"{call.name} read parameters that were already non-finite "
                     f"({', '.join(bad[:3])}{more}): they were made so before this call, by code "
                     "nanhunt does not observe (a hand-written optimizer step, a load, an edit "
-                    "of .data) or in a step it did not trace")
+                    "of .data) or in a step it did not trace (check the code that updates or "
+                    "loads them; with a torch optimizer nanhunt sees the update itself)")
 
     def culprit_call(self, module: str, step: int) -> _Call | None:
         """The culprit's call in this step: the one the judge located when it was this step

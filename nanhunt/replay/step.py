@@ -289,11 +289,17 @@ class TripAnalyst:
             self._optimizer_made(sentinel, trip)
             return
         keep, problem, d = trip.keep, trip.problem, trip.data
-        if trip.refused:  # nothing was copied: no replay
-            r, ok, why = Replay(error=trip.refused), False, trip.refused
-        else:
-            r = replay_step(sentinel, keep, trip.held, collapse=problem == "collapse")
-            ok, why = self._reproduced(sentinel, problem, keep, r)
+        if trip.refused:  # nothing was copied, nothing replayed: what was seen, no cause
+            f = sentinel.judge.first_failure
+            if f is not None:
+                f.observed = False
+                f.detail = f"step {trip.step} was not replayed: {trip.refused}"
+            sentinel.notes.append(f"sentinel: step {trip.step} failed ({_what(problem)}) and "
+                                  f"was not replayed: {trip.refused}")
+            sentinel.finish()
+            return
+        r = replay_step(sentinel, keep, trip.held, collapse=problem == "collapse")
+        ok, why = self._reproduced(sentinel, problem, keep, r)
         sentinel.replay = r
         if ok:
             self._adopt(sentinel, r)

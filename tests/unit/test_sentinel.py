@@ -455,3 +455,20 @@ def test_the_target_of_a_bf16_autocast_run_is_bfloat16(inner, given):
             loss.backward()
             opt.step()
     assert (sent.target, sent.target_source) == ("bfloat16", "autocast")
+
+
+def test_a_replay_over_the_copy_cap_is_refused_and_said(tmp_path, monkeypatch):
+    # a cap below the model's size: nothing is copied or replayed, the report says what it
+    # would have copied, and names no cause for what it did not replay; training is unchanged
+    monkeypatch.setenv("NANHUNT_REPLAY_MAX_BYTES", "1000")
+    _, plain_losses, _, _ = _seeded_loop(scaled=True)
+    out = tmp_path / "report"
+    sent, losses, _, _ = _seeded_loop(lambda m, o, s: nanhunt.sentinel(m, o, s, out=out),
+                                      scaled=True)
+    notes = " ".join(sent.notes)
+    assert "more than the cap of 1000 B" in notes and "NANHUNT_REPLAY_MAX_BYTES" in notes
+    assert sent.first_failure.step == 6 and sent.first_failure.observed is False
+    report = json.loads((out / "report.json").read_text())
+    assert report["diagnosis"]["rule"] == "untraced-step" and report["diagnosis"]["kind"] == ""
+    assert "not replayed" in report["diagnosis"]["message"]
+    assert [repr(x) for x in losses] == [repr(x) for x in plain_losses]

@@ -95,9 +95,7 @@ def _diagnose_untraced(trace: Trace, ctx: Context) -> None:
     if not f.observed:
         message = (
             f"step {f.step} went non-finite ({_where(f)}: {_counts(f.stats)}), but {f.detail}; "
-            "its origin was not observed, so no cause is named. Check the code that updates "
-            "or loads those weights, or train with a torch optimizer so that nanhunt sees "
-            "the update that made them non-finite")
+            "its origin was not observed, so no cause is named")
         evidence.insert(0, f.detail)
     else:
         message = (
