@@ -479,3 +479,16 @@ def test_fsdp2_mixed_precision_overflow_on_one_rank_names_the_layer_and_rank(tmp
     assert {"0", "2", "3"} <= modules  # unsharded names, no FSDP prefix
     assert [(r["rank"], r["answered"], len(r["steps"])) for r in report["ranks"]] == [
         (0, True, 3), (1, True, 3)]
+
+
+@pytest.mark.slow
+def test_no_sync_micro_batches_belong_to_their_step(tmp_path):
+    """Gradient accumulation under DDP's no_sync: three forward/backward passes per optimizer
+    step are one step; a NaN in rank 1's first (unsynchronised) micro-batch of step 2 is step 2."""
+    proc = _run(_torchrun("--quiet", "--out", "out", str(SCRIPTS / "ddp_no_sync.py")), tmp_path)
+    report = _report(tmp_path / "out")
+    ff = report["first_failure"]
+    assert (ff["rank"], ff["step"], ff["phase"], ff["tensor"]) == (1, 2, "data", "input[0]"), \
+        proc.stderr
+    assert [(r["rank"], len(r["steps"])) for r in report["ranks"]] == [(0, 3), (1, 3)]
+    assert report["ranks"][1]["first_failure"]["step"] == 2
