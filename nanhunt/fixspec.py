@@ -18,6 +18,11 @@ A spec names one change a user could make to their training script::
     clip=MAX_NORM               clip_grad_norm_ after unscale_, before each optimizer step
     lr-factor=F                 multiply every optimizer's learning rate by F
     fp32-master                 float32 master weights for a half-precision model
+    fp32-all                    float32 everywhere: autocast off, the script's .half() and
+                                .to(float16|bfloat16) no-ops, GradScaler disabled
+    bf16                        bfloat16 where the script uses float16 (autocast, casts)
+    no-scaler                   GradScaler disabled (enabled=False)
+    skip-batch=N                at step N, the model and loss modules get step N-1's inputs
 
 PATTERN is a glob over qualified module names (``fnmatch``: ``*`` also spans dots). The snippet
 (:func:`snippet`) is the same change written as code the user pastes; nanhunt.experiment.fixes
@@ -55,7 +60,9 @@ __all__ = [
 FLOOR_OPS = ("log", "log2", "log10", "sqrt", "rsqrt", "reciprocal", "div", "pow")
 #: kinds that name modules by a pattern
 MODULE_KINDS = ("fp32", "clamp", "floor", "eps")
-_VALUE_KINDS = ("opt-eps", "init-scale", "growth-interval", "clip", "lr-factor")
+_VALUE_KINDS = ("opt-eps", "init-scale", "growth-interval", "clip", "lr-factor", "skip-batch")
+#: kinds with no value or pattern
+BARE_KINDS = ("fp32-master", "fp32-all", "bf16", "no-scaler")
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
 
 
@@ -81,8 +88,8 @@ class FixSpec:
             return f"{self.kind}:{self.patterns[0]}={number(self.value)}"
         if self.kind == "floor":
             return f"floor:{self.patterns[0]}:{self.op}={number(self.value)}"
-        if self.kind == "fp32-master":
-            return "fp32-master"
+        if self.kind in BARE_KINDS:
+            return self.kind
         return f"{self.kind}={number(self.value)}"
 
 
@@ -108,8 +115,8 @@ def _value(text: str, spec: str, *, positive: bool = True) -> float:
 def parse_fix(text: str) -> FixSpec:
     """Parse one ``--fix`` spec; a malformed one raises :class:`NanhuntError` (exit 2)."""
     spec = text.strip()
-    if spec == "fp32-master":
-        return FixSpec("fp32-master")
+    if spec in BARE_KINDS:
+        return FixSpec(spec)
     kind, sep, rest = spec.partition(":")
     if sep and kind in MODULE_KINDS:
         if kind == "fp32":
@@ -136,13 +143,13 @@ def parse_fix(text: str) -> FixSpec:
     name, eq, value = spec.partition("=")
     if eq and name in _VALUE_KINDS:
         v = _value(value, spec)
-        if name == "growth-interval" and not v.is_integer():
-            raise NanhuntError(f"--fix {spec}: growth-interval is a whole number of steps")
+        if name in ("growth-interval", "skip-batch") and not v.is_integer():
+            raise NanhuntError(f"--fix {spec}: {name} is a whole number of steps")
         return FixSpec(name, (), v)
     raise NanhuntError(
         f"--fix {spec}: unknown fix (fp32:PATTERN, clamp:PATTERN=V, floor:PATTERN:OP=V, "
         "eps:PATTERN=V, opt-eps=V, init-scale=V, growth-interval=N, clip=V, lr-factor=F, "
-        "fp32-master)")
+        "fp32-master, fp32-all, bf16, no-scaler, skip-batch=N)")
 
 
 # ----------------------------------------------------------------------------- snippets
@@ -320,6 +327,21 @@ def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
             + ("" if ctx.scaler else "  # before optimizer.step()"),
         ]
         return Snippet("\n".join(lines))
+    if spec.kind == "fp32-all":
+        return Snippet("\n".join([
+            "# float32 everywhere: no autocast, no .half() / .to(torch.float16), no loss scaling",
+            f'with torch.autocast("{ctx.device}", enabled=False):  # instead of enabled=True',
+            "    loss = ...  # the forward and the loss, as before",
+            f'scaler = torch.amp.GradScaler("{ctx.device}", enabled=False)']))
+    if spec.kind == "bf16":
+        return Snippet("\n".join([
+            "# bfloat16 where the script used float16 (.half() -> .bfloat16() likewise)",
+            f'with torch.autocast("{ctx.device}", dtype=torch.bfloat16):',
+            "    loss = ...  # the forward and the loss, as before"]))
+    if spec.kind == "no-scaler":
+        return Snippet(f'scaler = torch.amp.GradScaler("{ctx.device}", enabled=False)')
+    if spec.kind == "skip-batch":
+        return Snippet(f"if step == {v}:\n    continue  # skip this batch (or clean it)")
     if spec.kind == "fp32-master":
         return Snippet("masters = {}  # once, after the optimizer is made\n"
                        "step_with_fp32_master(optimizer, masters)  # instead of optimizer.step()",

@@ -22,6 +22,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "CastCounts",
     "Crash",
+    "Experiment",
+    "Experiments",
     "Failure",
     "Finding",
     "FixTry",
@@ -45,7 +47,9 @@ __all__ = [
     "Verification",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: versions this nanhunt reads (a field a version lacks takes its default)
+READABLE_VERSIONS = (1, 2)
 
 #: Phases in execution order within a step.
 PHASES = ("data", "forward", "backward", "loss_scaling", "optimizer")
@@ -309,6 +313,59 @@ class FixTry:
     failure_step: int | None = None
     seconds: float = 0.0
     report: str | None = None  # the re-run's report.json, relative to the report folder
+    # the conditions of "verified", each True, False or None (not applicable: no fp32 run):
+    # control_reproduced, past_horizon, finite, no_skip_streak, within_fp32_noise
+    conditions: dict[str, bool | None] = field(default_factory=dict)
+
+
+@dataclass
+class Experiment:
+    """One re-run of the experiment ladder: the script run again with one change (or none, the
+    control), to a horizon, and what it showed (DESIGN.md §9; docs/report-schema.md)."""
+
+    rung: str  # control | fp32 | bf16 | no-scaler | lr-0.1 | lr-0.01 | skip-batch | fix
+    fixes: list[str] = field(default_factory=list)  # the --fix specs installed ([]: control)
+    purpose: str = ""  # the question it answers, in words
+    # recurred (a failure at the original's step) | moved (a first failure at another step) |
+    # diverged (no failure traced, but a non-finite or blown-up loss, a skip streak, a problem)
+    # | trained | crashed (the script raised) | stopped (no report, out of time) | not run
+    outcome: str = "not run"
+    detail: str = ""  # what the run showed, or why it did not run
+    steps: int = 0  # steps the re-run ran
+    target_steps: int = 0  # steps it was to run (the horizon), bounded by --max-steps
+    ended: bool = False  # the script ran to its own end (fewer steps than the horizon)
+    failure: str | None = None  # the re-run's first failure, "step 6 / forward / wo / output"
+    failure_step: int | None = None
+    losses: list[float | None] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    report: str | None = None  # the re-run's report.json, relative to the report folder
+
+
+@dataclass
+class Experiments:
+    """The experiment ladder for the whole report: the control, the rungs, their verdict."""
+
+    # the unfixed re-run failed the same way at the same step (None: no control ran)
+    control_reproduced: bool | None = None
+    # the control's losses before the failure step equal the original run's, bit for bit
+    deterministic: bool | None = None
+    spread: float | None = None  # largest |control - original| loss before the failure step
+    failure_step: int | None = None  # the original's failing step the rungs are read against
+    horizon: int = 0  # steps each re-run runs: max(2 x failure, failure + 20) + 1
+    # not-reproduced | precision-range | precision-resolution | loss-scaling | optimisation |
+    # data | not-precision | silent-precision | undetermined | "" (none reached)
+    verdict: str = ""
+    verdict_text: str = ""  # the verdict with the experiments that prove it
+    source: str = ""  # experiments | rules (experiments could not run: see note)
+    contradiction: str = ""  # a rule's cause the experiments contradict, and why it lost
+    runs: list[Experiment] = field(default_factory=list)
+    not_run: list[str] = field(default_factory=list)  # rungs the budget or Ctrl-C left out
+    jobs: int = 1
+    budget_seconds: float = 0.0
+    seconds: float = 0.0
+    interrupted: bool = False
+    note: str = ""
 
 
 @dataclass
@@ -538,6 +595,7 @@ class Trace:
     crash: Crash | None = None  # the script's exception, when it crashed
     precision: PrecisionAudit | None = None  # nanhunt audit: per-layer accuracy in a format
     verification: Verification | None = None  # re-run verification, when it ran
+    experiments: Experiments | None = None  # the experiment ladder (diagnosis by re-run)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -555,7 +613,7 @@ class Trace:
         if not isinstance(data, dict) or "schema_version" not in data:
             raise NanhuntError("not a nanhunt report (no schema_version)")
         version = data["schema_version"]
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
             raise NanhuntError(
                 f"report schema version {version} is not supported (this nanhunt reads "
                 f"version {SCHEMA_VERSION})"

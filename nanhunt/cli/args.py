@@ -101,6 +101,11 @@ def diagnose_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", type=int, default=4, metavar="N",
                    help="re-run the script up to N times to verify fixes (default: "
                         "%(default)s; 0: off)")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="re-runs at once (default: the CPU cores, at most 4)")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="wall time for all re-runs together (default: 12x the script's time "
+                        "to the failure, at least 60 s); the report names what did not run")
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module as a script")
     p.add_argument("script", nargs="?", help="the training script")
     return p
@@ -108,7 +113,8 @@ def diagnose_parser() -> argparse.ArgumentParser:
 
 #: the diagnose options that take a value: split_argv must skip the value, not stop at it
 VALUE_OPTIONS = {"--out", "--target", "--max-steps", "--allow-inf", "--sample-every",
-                 "--keep-steps", "--nproc-per-node", "--fix", "--verify", "--mode"}
+                 "--keep-steps", "--nproc-per-node", "--fix", "--verify", "--mode",
+                 "--jobs", "--budget"}
 
 
 def split_argv(argv: Sequence[str], value_options: frozenset[str] | set[str] | None = None,

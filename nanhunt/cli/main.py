@@ -110,6 +110,10 @@ def cmd_diagnose(argv: Sequence[str]) -> int:
         raise NanhuntError("--sample-every applies to --mode full only")
     if opts.verify < 0:
         raise NanhuntError("--verify must be 0 or more")
+    if opts.jobs is not None and opts.jobs < 1:
+        raise NanhuntError("--jobs must be at least 1")
+    if opts.budget is not None and not opts.budget > 0:
+        raise NanhuntError("--budget must be a positive number of seconds")
     from nanhunt.fixspec import parse_fix
 
     for spec in opts.fix:
@@ -238,7 +242,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     rerun = RerunConfig(
         script=target.script, module=target.module, args=list(target.args), cwd=os.getcwd(),
         env=dict(os.environ), tries=opts.verify, max_steps=opts.max_steps,
-        options=_rerun_options(opts), quiet=opts.quiet,
+        options=_rerun_options(opts), quiet=opts.quiet, jobs=opts.jobs, budget=opts.budget,
         script_seconds=round(failed_at[0] if failed_at else time.monotonic() - _STARTED, 2))
     try:
         trace = analyse_and_report(

@@ -45,6 +45,7 @@ from nanhunt import capture
 from nanhunt._patching import patch
 from nanhunt.capture.naming import Naming
 from nanhunt.errors import NanhuntError
+from nanhunt.experiment import rungs
 from nanhunt.fixspec import FixSpec, number
 
 __all__ = ["FixMismatch", "Fixes", "RunFixes", "install"]
@@ -217,6 +218,8 @@ class Fixes:
                 stack.enter_context(_O.register_optimizer_step_post_hook(self._opt_post))
             if any(v is not None for v in self._scaler_args.values()):
                 self._patch(stack, torch.amp.GradScaler, "__init__", self._wrap_scaler_init)
+            rungs.install([s for s in self.specs if s.kind in rungs.GLOBAL_KINDS], stack,
+                          self.applied)
             self._stack = stack.pop_all()
         return self
 

@@ -1,14 +1,16 @@
-"""Re-run verification: run the user's script again with a fix installed and see if it trains.
+"""Diagnosis by experiment and re-run verification: run the user's script again, unchanged
+(the control) and with one change at a time, and see whether the failure goes away.
 
-After the diagnosis, :func:`verify_by_rerun` re-runs the script (same argv, cwd, environment)
-in a child ``python -m nanhunt diagnose --fix ...`` for each candidate fix, narrowest first
-(:func:`nanhunt.analyse.remedies.ladder`), up to the failure step plus enough steps to see recovery,
-and judges the run (:func:`judge`): a fix is verified only when the loss stays finite, no
-gradient goes non-finite beyond GradScaler's first calibration skips, no run of skipped steps
-follows, the loss does not blow up (10x its first value) and the original failure is gone.
-It stops at the first fix that works, after ``--verify N`` re-runs, or when about three times
-the script's own time to the failure is spent. Torch-free: it only starts processes and reads
-their reports.
+After the diagnosis, :func:`verify_by_rerun` re-runs the script (same argv, cwd, environment,
+seeds) in children ``python -m nanhunt diagnose --fix ...``, ``--jobs`` at a time, each to the
+horizon max(2 x the failure step, failure step + 20) (:mod:`nanhunt.experiment.ladder`): first the
+control and float32 everywhere, then the rungs their outcomes call for (bfloat16, no
+GradScaler; or lower learning rates, the failing batch replaced), then each candidate fix,
+narrowest first (:func:`nanhunt.analyse.remedies.ladder`). A fix is verified only when the control
+reproduced the failure and the fix's re-run trained past the horizon (or to the script's end)
+with finite losses, no skip streak, and losses within the control's noise of the float32
+experiment where one ran (:func:`judge`, :func:`_conditions`). ``--budget`` caps the whole;
+the rungs it leaves out are named. Torch-free: it only starts processes and reads reports.
 """
 
 from __future__ import annotations
@@ -28,15 +30,33 @@ from pathlib import Path
 from typing import Any
 
 from nanhunt.analyse.remedies import ladder, set_fix, verify_order
+from nanhunt.experiment.ladder import (
+    Rung,
+    classify,
+    control_facts,
+    failure_step,
+    first_rungs,
+    horizon,
+    loss_gap,
+    next_rungs,
+    outcome,
+)
 from nanhunt.fixspec import parse_fix
-from nanhunt.trace import FixTry, Recommendation, Trace, Verification
+from nanhunt.trace import (
+    Experiment,
+    Experiments,
+    FixTry,
+    Recommendation,
+    Trace,
+    Verification,
+)
 
 __all__ = ["RerunConfig", "judge", "verify_by_rerun"]
 
-RECOVERY_STEPS = 5  # steps past the original failure a re-run must train
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
-BUDGET_FACTOR = 3.0
+BUDGET_FACTOR = 12.0  # the default --budget: this many times the script's time to the failure
+BUDGET_MIN = 60.0  # ... and never less than this many seconds
 RERUN_DIR = "reruns"
 
 
@@ -54,15 +74,8 @@ class RerunConfig:
     options: list[str] = field(default_factory=list)  # --target, --allow-inf ... as given
     script_seconds: float | None = None  # the original run's time to the failing step
     quiet: bool = False
-
-
-def _target_steps(trace: Trace, max_steps: int | None) -> int:
-    f = trace.first_failure
-    last = max((s.index for s in trace.steps), default=0)
-    step = f.step if f is not None else (trace.diagnosis.step if trace.diagnosis and
-                                         trace.diagnosis.step is not None else last)
-    n = max(step, last) + 1 + RECOVERY_STEPS
-    return min(n, max_steps) if max_steps else n
+    jobs: int | None = None  # --jobs: re-runs at once (None: the cores, at most 4)
+    budget: float | None = None  # --budget SECONDS for all re-runs (None: BUDGET_FACTOR x)
 
 
 def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code: int,
@@ -76,6 +89,12 @@ def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code:
     steps = rerun.steps
     t.steps = len(steps)
     t.losses = [s.loss for s in steps]
+    o = original.first_failure
+    if rerun.run.status == "crashed" and (rerun.first_failure is None or o is None or
+                                          rerun.first_failure.step > o.step):
+        t.skipped = [s.index for s in steps if s.skipped]
+        t.reason = f"re-run crashed: {rerun.run.error or 'an exception'}"
+        return t
     t.skipped = [s.index for s in steps if s.skipped]
     scales = [s.scale for s in steps if s.scale is not None]
     t.scale_first, t.scale_last = (scales[0], scales[-1]) if scales else (None, None)
@@ -229,41 +248,6 @@ class _Server:
             self.proc = None
 
 
-def _run_child(cfg: RerunConfig, server: _Server | None, fixes: list[str], out: Path, steps: int,
-               timeout: float, progress: _Progress, label: str) -> tuple[int, str, bool]:
-    """Run one re-run: (exit status, the tail of its output, whether it ran out of time).
-    Ctrl-C stops it."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(cfg.env, NANHUNT_RERUN="1", WANDB_MODE="disabled",
-               NANHUNT_SCRATCH=str((out / "files").resolve()),
-               NANHUNT_PROGRESS=str((out / "progress.txt").resolve()))
-    log_path = out / "output.txt"
-    argv = _child_command(cfg, fixes, out.resolve(), steps)
-    if server is not None and server.proc is not None and server.proc.poll() is None:
-        child: Any = _Forked(server.proc, {"argv": argv[3:], "cwd": cfg.cwd, "env": env,
-                                           "log": str(log_path.resolve())})
-    else:
-        with open(log_path, "wb") as log:
-            child = subprocess.Popen(argv, cwd=cfg.cwd, env=env, stdout=log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    start = time.monotonic()
-    timed_out = False
-    try:
-        while child.poll() is None:
-            if time.monotonic() - start > timeout:
-                _stop(child)
-                timed_out = True
-                break
-            last = _last_progress(out / "progress.txt")
-            progress.live(f"nanhunt  {label}" + (f"  {last}" if last else ""))
-    except KeyboardInterrupt:
-        _stop(child)
-        raise
-    tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:] \
-        if log_path.exists() else ""
-    return (child.returncode if child.returncode is not None else -1), tail, timed_out
-
-
 class _Forked:
     """A re-run forked by the server, with the subset of Popen that _run_child uses."""
 
@@ -276,7 +260,7 @@ class _Forked:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            ready, _, _ = select.select([self.server.stdout], [], [], 0.2)
+            ready, _, _ = select.select([self.server.stdout], [], [], 0)
             if ready:
                 line = self.server.stdout.readline()  # type: ignore[union-attr]
                 self.returncode = int(json.loads(line)["code"]) if line else -1
@@ -294,6 +278,7 @@ class _Forked:
         while self.poll() is None:
             if time.monotonic() > end:
                 raise subprocess.TimeoutExpired("re-run", timeout or 0)
+            time.sleep(0.02)
         return int(self.returncode or 0)
 
 
@@ -314,96 +299,312 @@ def _load(path: Path) -> Trace | None:
         return None
 
 
+# ----------------------------------------------------------------------------- the pool
+
+
+@dataclass
+class _Task:
+    label: str  # what the console calls it: "control", "fp32", "fix 2"
+    fixes: list[str]
+    out: Path
+    done: Any  # callback(task, code, tail, timed_out, seconds) -> True to stop the batch
+    started: float = 0.0
+    child: Any = None
+    slot: int = -1
+    deadline: float = 0.0
+
+
+class _Pool:
+    """Re-runs in parallel, ``jobs`` at a time, each slot with its own fork server; every
+    re-run stops at the horizon (``--max-steps``) or at the budget's end."""
+
+    def __init__(self, cfg: RerunConfig, jobs: int, steps: int, progress: _Progress,
+                 deadline: float) -> None:
+        self.cfg, self.jobs, self.steps, self.progress = cfg, jobs, steps, progress
+        self.deadline = deadline
+        self.servers: list[_Server | None] = [None] * jobs
+        self.startup = 0.0
+        self.durations: list[float] = []
+
+    def _server(self, slot: int) -> _Server:
+        server = self.servers[slot]
+        if server is None:
+            server = self.servers[slot] = _Server(self.cfg)
+        return server
+
+    def estimate(self) -> float:
+        """About how long the next re-run takes: the slowest one so far."""
+        return max(self.durations, default=0.0)
+
+    def run(self, tasks: list[_Task], not_run: Any) -> None:
+        """Run ``tasks``; ``not_run(task, why)`` for each the budget or a stop left out."""
+        queue = list(tasks)
+        running: list[_Task] = []
+        stopped = False
+        try:
+            while queue or running:
+                while queue and len(running) < self.jobs and not stopped:
+                    task = queue.pop(0)
+                    now = time.monotonic()
+                    if now + 0.5 * self.estimate() > self.deadline:
+                        not_run(task, "the --budget was spent")
+                        continue
+                    slot = next(i for i in range(self.jobs)
+                                if all(t.slot != i for t in running))
+                    task.slot, task.started, task.deadline = slot, now, self.deadline
+                    task.child = _start_child(self.cfg, self._server(slot), task.fixes,
+                                              task.out, self.steps)
+                    running.append(task)
+                if stopped:
+                    for task in queue:
+                        not_run(task, "")
+                    queue = []
+                for task in list(running):
+                    timed_out = False
+                    if task.child.poll() is None:
+                        if time.monotonic() > task.deadline:
+                            _stop(task.child)
+                            timed_out = True
+                        else:
+                            continue
+                    running.remove(task)
+                    seconds = round(time.monotonic() - task.started, 2)
+                    self.durations.append(seconds)
+                    code = task.child.returncode if task.child.returncode is not None else -1
+                    log = task.out / "output.txt"
+                    tail = log.read_text(encoding="utf-8", errors="replace")[-2000:] \
+                        if log.exists() else ""
+                    if task.done(task, code, tail, timed_out, seconds):
+                        stopped = True
+                        for other in running:  # a fix was verified: the rest are moot
+                            _stop(other.child)
+                            shutil.rmtree(other.out / "files", ignore_errors=True)
+                            not_run(other, "")
+                        running = []
+                        break
+                if running:
+                    last = _last_progress(running[0].out / "progress.txt")
+                    names = ", ".join(t.label for t in running)
+                    self.progress.live(f"nanhunt  re-running: {names}" +
+                                       (f"  {last}" if last else ""))
+                    time.sleep(0.05)
+        except KeyboardInterrupt:
+            for task in running:
+                _stop(task.child)
+                shutil.rmtree(task.out / "files", ignore_errors=True)
+            raise
+
+    def close(self) -> None:
+        for server in self.servers:
+            if server is not None:
+                server.close()
+
+
+def _start_child(cfg: RerunConfig, server: _Server | None, fixes: list[str], out: Path,
+                 steps: int) -> Any:
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(cfg.env, NANHUNT_RERUN="1", WANDB_MODE="disabled",
+               NANHUNT_SCRATCH=str((out / "files").resolve()),
+               NANHUNT_PROGRESS=str((out / "progress.txt").resolve()))
+    log_path = out / "output.txt"
+    argv = _child_command(cfg, fixes, out.resolve(), steps)
+    if server is not None and server.proc is not None and server.proc.poll() is None:
+        return _Forked(server.proc, {"argv": argv[3:], "cwd": cfg.cwd, "env": env,
+                                     "log": str(log_path.resolve())})
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(argv, cwd=cfg.cwd, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
 # ----------------------------------------------------------------------------- the search
+
+#: the conditions of "verified", in the order the report says them
+CONDITIONS = ("control_reproduced", "past_horizon", "finite", "no_skip_streak",
+              "within_fp32_noise")
+
+
+def default_jobs() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
-    """Verify the recommendations by re-running the script with each fix installed."""
+    """Diagnose by experiment and verify the recommendations by re-running the script: a
+    control, the ladder's rungs, then each candidate fix (narrowest first)."""
     v = trace.verification = Verification(tries_allowed=cfg.tries,
                                           script_seconds=cfg.script_seconds)
+    jobs = cfg.jobs or default_jobs()
+    ex = trace.experiments = Experiments(jobs=jobs)
     for rec in trace.recommendations:
         rec.verified = False
     if trace.run.world_size > 1:
         v.note = (f"re-run verification is single-process for now: not run for this "
                   f"{trace.run.world_size}-process run")
+        ex.source, ex.note = "rules", (f"no experiment can run for a "
+                                       f"{trace.run.world_size}-process (torchrun) job: the "
+                                       "verdict is the rules' alone")
         _label_untried(trace, v.note)
         return
     if cfg.tries <= 0:
         v.note = "re-run verification is off (--verify 0)"
+        ex.source = "rules"
+        ex.note = "experiments are off (--verify 0): the verdict is the rules' alone"
         _label_untried(trace, "not verified: re-run verification is off (--verify 0)")
         return
     if not trace.problem:
         v.note = "nothing to verify: no problem was found"
+        trace.experiments = None
         return
+    ex.failure_step = failure_step(trace)
+    steps = v.target_steps = ex.horizon = horizon(ex.failure_step, trace, cfg.max_steps)
+    budget = cfg.budget if cfg.budget is not None else max(
+        BUDGET_MIN, BUDGET_FACTOR * (cfg.script_seconds or 10.0))
+    v.budget_seconds = ex.budget_seconds = round(budget, 2)
     candidates = verify_order(trace.recommendations)
-    if not candidates:
-        v.note = "no recommendation can be installed from outside the script"
-        _label_untried(trace, "not verified: needs a change to the code, no re-run can "
-                              "install it")
-        return
-    steps = v.target_steps = _target_steps(trace, cfg.max_steps)
-    v.budget_seconds = BUDGET_FACTOR * (cfg.script_seconds or 10.0)
     progress = _Progress(cfg.quiet)
-    progress.say(f"nanhunt: verifying fixes: re-running the script up to {cfg.tries} times, "
-                 f"{steps} steps each (--verify 0 turns this off)")
+    progress.say(f"nanhunt: diagnosing by experiment: re-running the script (a control, the "
+                 f"experiment ladder, up to {cfg.tries} fixes), {steps} steps each, "
+                 f"{jobs} at a time (--verify 0 turns this off)")
     scratch = out_dir / RERUN_DIR
     shutil.rmtree(scratch, ignore_errors=True)
     start = time.monotonic()
-    winner: Recommendation | None = None
-    server: _Server | None = None
-    last_seconds = 0.0
+    pool = _Pool(cfg, jobs, steps, progress, start + budget)
+    winner: list[Recommendation] = []
+    control: list[Experiment] = []
+
+    def not_run(task: _Task, why: str) -> None:
+        if why:
+            ex.not_run.append(f"{task.label} (--fix {' --fix '.join(task.fixes)})"
+                              if task.fixes else task.label)
+
+    def rung_task(rung: Rung) -> _Task:
+        e = Experiment(rung=rung.name, fixes=list(rung.fixes), purpose=rung.purpose,
+                       target_steps=steps)
+
+        def done(task: _Task, code: int, tail: str, timed_out: bool, seconds: float) -> bool:
+            outcome(e, trace, _load(task.out / "report.json"), exit_code=code,
+                    output_tail=tail, timed_out=timed_out)
+            e.seconds = seconds
+            e.report = str(task.out.relative_to(out_dir) / "report.json")
+            ex.runs.append(e)
+            _finish(task.out, v)
+            progress.say(f"nanhunt: experiment {rung.name}"
+                         + (f" (--fix {' --fix '.join(rung.fixes)})" if rung.fixes else "")
+                         + f": {_OUTCOME_WORDS.get(e.outcome, e.outcome)}: {e.detail}")
+            return False
+
+        return _Task(rung.name, list(rung.fixes), scratch / rung.name, done)
+
+    def fix_task(rec: Recommendation, fixes: list[str]) -> _Task:
+        n = len([t for t in tasks_made if t.label.startswith("fix")]) + 1
+
+        def done(task: _Task, code: int, tail: str, timed_out: bool, seconds: float) -> bool:
+            rerun = _load(task.out / "report.json")
+            result = judge(trace, rerun, steps, exit_code=code, output_tail=tail)
+            if timed_out:
+                result.verified = False
+                result.reason = (f"stopped at the --budget's end ({result.steps} steps run)")
+            e = outcome(Experiment(rung="fix", fixes=list(fixes), target_steps=steps,
+                                   purpose=f"does the {rec.type} fix train?"),
+                        trace, rerun, exit_code=code, output_tail=tail, timed_out=timed_out)
+            _conditions(result, e, ex)
+            result.fixes = list(fixes)
+            result.seconds = e.seconds = seconds
+            result.report = e.report = str(task.out.relative_to(out_dir) / "report.json")
+            v.tries += 1
+            rec.tries.append(result)
+            ex.runs.append(e)
+            _finish(task.out, v)
+            progress.say(f"nanhunt: re-run {task.label} --fix {' --fix '.join(fixes)}: "
+                         + ("verified: " if result.verified else "not verified: ")
+                         + result.reason)
+            if result.verified and not winner:
+                winner.append(rec)
+                set_fix(rec, trace, [parse_fix(s) for s in fixes])
+                return True
+            return False
+
+        task = _Task(f"fix {n}", list(fixes), scratch / f"try-{n}", done)
+        tasks_made.append(task)
+        return task
+
+    tasks_made: list[_Task] = []
     try:
-        server = _Server(cfg)
-        for rec in candidates:
-            for rung in ladder(rec, trace):
-                spent = time.monotonic() - start
-                if v.tries >= cfg.tries:
-                    break
-                estimate = last_seconds  # the next re-run takes about as long as the last
-                if v.tries and spent + estimate > v.budget_seconds:
-                    v.note = (f"stopped after {v.tries} re-runs: the time budget "
-                              f"({v.budget_seconds:.0f} s, {BUDGET_FACTOR:g}x the script's time "
-                              "to the failure) was spent")
-                    break
-                v.tries += 1
-                label = f"re-run {v.tries} of {cfg.tries}  --fix {' --fix '.join(rung)}"
-                out = scratch / f"try-{v.tries}"
-                t0 = time.monotonic()
-                # a re-run already going gets to finish unless it runs far past the budget
-                limit = max(v.budget_seconds - spent, 2.0 * (cfg.script_seconds or 10.0) + 10.0)
-                code, tail, timed_out = _run_child(cfg, server, rung, out, steps, limit,
-                                                   progress, label)
-                result = judge(trace, _load(out / "report.json"), steps, exit_code=code,
-                               output_tail=tail)
-                if timed_out:
-                    result.verified = False
-                    result.reason = (f"stopped after {limit:.0f} s, past the time budget "
-                                     f"({result.steps} steps run)")
-                result.fixes = rung
-                result.seconds = last_seconds = round(time.monotonic() - t0, 2)
-                result.report = str(Path(RERUN_DIR) / f"try-{v.tries}" / "report.json")
-                rec.tries.append(result)
-                _collect_redirects(out, v)
-                shutil.rmtree(out / "files", ignore_errors=True)  # what the script wrote
-                progress.say(f"nanhunt: {label}: "
-                             + ("verified: " if result.verified else "not verified: ")
-                             + result.reason)
-                if result.verified:
-                    winner = rec
-                    set_fix(rec, trace, [parse_fix(s) for s in rung])
-                    break
-            if winner is not None or v.tries >= cfg.tries or v.note:
-                break
+        pool.run([rung_task(r) for r in first_rungs(trace)], not_run)
+        control_facts(ex, trace)
+        control = [e for e in ex.runs if e.rung == "control"]
+        if ex.control_reproduced:
+            rungs = [rung_task(r) for r in next_rungs(trace, ex)]
+            fixes: list[_Task] = []
+            for rec in candidates:
+                for rung in ladder(rec, trace):
+                    if len(fixes) < cfg.tries:
+                        fixes.append(fix_task(rec, rung))
+            pool.run(rungs + fixes, not_run)
     except KeyboardInterrupt:
-        v.interrupted = True
+        v.interrupted = ex.interrupted = True
         v.note = "re-run verification was interrupted (Ctrl-C); what it found so far is kept"
         progress.say("nanhunt: " + v.note)
     finally:
-        if server is not None:
-            server.close()
+        pool.close()
         progress.clear()
-        v.seconds = round(time.monotonic() - start, 2)
-    _label(trace, winner, v)
+        v.seconds = ex.seconds = round(time.monotonic() - start, 2)
+    ex.source = "experiments" if control else "rules"
+    if not control:
+        ex.note = ("the control did not run (" + ("Ctrl-C" if ex.interrupted else "the budget")
+                   + "): the verdict is the rules' alone")
+    classify(ex, trace)
+    if ex.not_run and not v.note:
+        v.note = f"the --budget ({budget:.0f} s) was spent: {len(ex.not_run)} re-run" + \
+            ("s" if len(ex.not_run) != 1 else "") + " did not run"
+    if ex.control_reproduced is False:
+        _label_not_reproduced(trace, ex)
+        return
+    _label(trace, winner[0] if winner else None, v)
+
+
+_OUTCOME_WORDS = {"recurred": "failure recurred", "moved": "failure moved",
+                  "trained": "trained", "diverged": "diverged", "crashed": "crashed",
+                  "stopped": "stopped"}
+
+
+def _conditions(result: FixTry, e: Experiment, ex: Experiments) -> None:
+    """Fill which conditions of "verified" held; verified only when every one did."""
+    fp32 = next((x for x in ex.runs if x.rung == "fp32" and x.outcome == "trained"), None)
+    c: dict[str, bool | None] = {
+        "control_reproduced": bool(ex.control_reproduced),
+        "past_horizon": e.steps >= e.target_steps or (e.ended and ex.failure_step is not None
+                                                       and e.steps > ex.failure_step),
+        "finite": e.outcome not in ("recurred", "moved", "crashed", "stopped") and
+        not (e.outcome == "diverged" and "loss" in e.detail and "blew" not in e.detail),
+        "no_skip_streak": "skipped" not in e.detail,
+        "within_fp32_noise": None,
+    }
+    if fp32 is not None and e.outcome == "trained":
+        gap = loss_gap(e, fp32, ex, None)
+        if gap is not None:
+            c["within_fp32_noise"] = gap[0] <= gap[1]
+            if not c["within_fp32_noise"]:
+                result.reason += (f"; its loss is {gap[0]:.3g} above the float32 experiment's "
+                                  f"(noise {gap[1]:.3g})")
+    result.conditions = c
+    result.verified = bool(result.verified and all(v is not False for v in c.values()))
+    if not c["control_reproduced"]:
+        result.verified = False
+    if result.verified:
+        held = [k.replace("_", " ") for k in CONDITIONS if c.get(k)]
+        result.reason += "; held: " + ", ".join(held)
+
+
+def _finish(out: Path, v: Verification) -> None:
+    _collect_redirects(out, v)
+    shutil.rmtree(out / "files", ignore_errors=True)  # what the script wrote
+
+
+def _label_not_reproduced(trace: Trace, ex: Experiments) -> None:
+    for rec in trace.recommendations:
+        rec.verified = False
+        rec.verification = ("not verified: the failure did not recur in an unfixed re-run "
+                            "(control), so no re-run can show a fix works")
 
 
 def _collect_redirects(out: Path, v: Verification) -> None:

@@ -199,8 +199,8 @@ def verdict(trace: Trace) -> Verdict:
     partial = partial_line(trace)
     note = exit_note(trace)
     if has_problem(trace):
-        return Verdict("problem", "PROBLEM: " + _problem_text(trace) + rank_scope(trace), partial,
-                       note)
+        return Verdict("problem", "PROBLEM: " + _problem_text(trace) + rank_scope(trace)
+                       + experiment_clause(trace), partial, note)
     if ran_no_step(trace):  # nothing was checked: no OK verdict
         ended = "exited" if trace.run.status in ("complete", "exited") else "stopped"
         return Verdict("partial", f"the script {ended} before any training step", partial, note)
@@ -564,3 +564,85 @@ def verification_lines(trace: Trace) -> list[str]:
         lines.append("re-runs ran with NANHUNT_RERUN=1 and WANDB_MODE=disabled; torch.save and "
                      "TensorBoard/Lightning/HF writers go to a scratch folder (none was used)")
     return lines
+
+
+# ----------------------------------------------------------------------------- experiments
+
+OUTCOME_TEXT = {"recurred": "failure recurred", "moved": "failure moved", "trained": "trained",
+                "diverged": "diverged", "crashed": "crashed", "stopped": "stopped",
+                "not run": "not run"}
+
+
+def experiment_spec(e: Any) -> str:
+    return " ".join(f"--fix {s}" for s in e.fixes) if e.fixes else "(no change)"
+
+
+def experiment_rows(trace: Trace) -> list[tuple[str, str, str, str, str, str]]:
+    """One row per re-run: (rung, spec, steps, outcome, detail, seconds)."""
+    ex = trace.experiments
+    if ex is None:
+        return []
+    return [(e.rung, experiment_spec(e), f"{e.steps}/{e.target_steps}",
+             OUTCOME_TEXT.get(e.outcome, e.outcome), e.detail, f"{e.seconds:g} s")
+            for e in ex.runs]
+
+
+def _losses(values: list[float | None], n: int) -> str:
+    return ", ".join("—" if v is None else f"{v:.4g}" for v in values[:n]) or "none"
+
+
+def experiment_lines(trace: Trace) -> list[str]:
+    """What the experiments showed, for the whole report (below the one line per rung)."""
+    ex = trace.experiments
+    if ex is None:
+        return []
+    lines = []
+    if ex.verdict_text and ex.source == "experiments":
+        lines.append(f"verdict: {ex.verdict_text}")
+    if ex.contradiction:
+        lines.append(ex.contradiction)
+    control = next((e for e in ex.runs if e.rung == "control"), None)
+    if control is not None and ex.failure_step is not None:
+        n = ex.failure_step + 1
+        if ex.control_reproduced is False:
+            lines.append(f"losses to step {ex.failure_step}: original run "
+                         f"{_losses([s.loss for s in trace.steps], n)}; control "
+                         f"{_losses(control.losses, n)}")
+        if ex.deterministic is not None:
+            lines.append(
+                f"the control's losses before step {ex.failure_step} "
+                + ("equal the original run's bit for bit (deterministic)" if ex.deterministic
+                   else f"differ from the original run's by up to {ex.spread:.3g} "
+                   "(not deterministic)" if ex.spread is not None else
+                   "differ from the original run's (not deterministic)"))
+    if ex.not_run:
+        lines.append("not run (the --budget was spent): " + "; ".join(ex.not_run))
+    if ex.interrupted:
+        lines.append("interrupted (Ctrl-C): what ran is kept")
+    if ex.source == "rules" and ex.note:
+        lines.append(ex.note)
+    elif ex.note:
+        lines.append(ex.note)
+    if ex.runs:
+        lines.append(f"{plural(len(ex.runs), 're-run')}, {ex.jobs} at a time, "
+                     f"{ex.seconds:g} s (budget {ex.budget_seconds:g} s); horizon "
+                     f"{ex.horizon} steps")
+    return lines
+
+
+def experiment_clause(trace: Trace) -> str:
+    """What the headline says about the experiments: the one that proves the cause."""
+    ex = trace.experiments
+    if ex is None:
+        return ""
+    if ex.verdict == "not-reproduced":
+        return " — the failure did not recur in an unfixed re-run: nothing verified"
+    if ex.source == "rules" and ex.note and "--verify 0" not in ex.note:
+        return " — the rules' verdict alone (no experiment ran)"
+    text = ""
+    if ex.source == "experiments" and ex.verdict_text and ex.verdict != "undetermined":
+        text = " — " + ex.verdict_text
+    fix = next((r for r in trace.recommendations if r.verified and r.fix), None)
+    if fix is not None:
+        text += ("; " if text else " — ") + f"--fix {' --fix '.join(fix.fix)} trains (verified)"
+    return text

@@ -41,6 +41,8 @@ from nanhunt.report._common import (
     try_line,
     verdict,
     verification_lines,
+    experiment_lines,
+    experiment_rows,
 )
 from nanhunt.report._svg import esc
 from nanhunt.trace import Failure, Finding, OpRecord, RankSummary, Recommendation, StepRecord, Trace
@@ -79,6 +81,8 @@ def render_html(trace: Trace) -> str:
         body.append(_ranges(trace, fmt))
     if trace.precision is not None:
         body.append(_precision.html_card(trace))
+    if experiment_rows(trace):
+        body.append(_experiments(trace))
     if trace.recommendations:
         body.append(_recommendations(trace.recommendations, verification_lines(trace)))
     if trace.steps:
@@ -221,6 +225,7 @@ def _nav(trace: Trace) -> str:
     if trace.precision is not None:
         links.append(("precision", "Precision"))
     for cond, id_, label in (
+        (experiment_rows(trace), "experiments", "Experiments"),
         (trace.recommendations, "recommendations", "Fixes"),
         (trace.steps, "timeline", "Timeline"),
         (
@@ -528,6 +533,53 @@ def _grad_histograms(trace: Trace, fmt: NumberFormat) -> str:
             f"scale (2<sup>{shift}</sup>): what the scaler must fit into the range."
         )
     return _card("gradients", "Gradient exponents", "".join(charts), sub=sub)
+
+
+_EXPERIMENT_COLOURS = {"original run": "#64748b", "control": "#0f172a",
+                       "fp32": "#2563eb", "fix": "#16a34a"}
+
+
+def _experiments(trace: Trace) -> str:
+    """The experiment ladder: a table of the re-runs and the loss curves of the original run,
+    the control, the float32 experiment and the fix on one chart."""
+    ex = trace.experiments
+    assert ex is not None
+    rows = "".join(
+        f'<tr class="outcome-{esc(outcome.replace(" ", "-"))}"><td>{esc(rung)}</td>'
+        f"<td><code>{esc(spec)}</code></td><td class=\"num\">{esc(steps)}</td>"
+        f"<td>{esc(outcome)}</td><td>{esc(detail)}</td><td class=\"num\">{esc(sec)}</td></tr>"
+        for rung, spec, steps, outcome, detail, sec in experiment_rows(trace))
+    table = ('<div class="table-wrap"><table class="data experiments"><thead><tr>'
+             "<th>rung</th><th>change</th><th class=\"num\">steps</th><th>outcome</th>"
+             f"<th>what it showed</th><th class=\"num\">time</th></tr></thead><tbody>{rows}"
+             "</tbody></table></div>")
+    fixes = [e for e in ex.runs if e.rung == "fix"]
+    fix = next((e for e in fixes if e.outcome == "trained"), fixes[-1] if fixes else None)
+    curves = [("original run", [(s.index, s.loss) for s in trace.steps])]
+    for label, e in (("control", next((e for e in ex.runs if e.rung == "control"), None)),
+                     ("fp32", next((e for e in ex.runs if e.rung == "fp32"), None)),
+                     ("fix", fix)):
+        if e is not None and e.losses:
+            name = label if label != "fix" else "fix: " + " ".join(e.fixes)
+            curves.append((name, list(enumerate(e.losses))))
+    series = [(label, _svg.Series(pts, colour=_EXPERIMENT_COLOURS.get(label.split(":")[0],
+                                                                     "#16a34a")))
+              for label, pts in curves if pts]
+    chart = ""
+    if series:
+        legend = "".join(
+            f'<span><i class="sw" style="background:{s.colour}"></i>{esc(label)}</span>'
+            for label, s in series)
+        svg = _svg.multi_line_chart(series, fail_step=ex.failure_step)
+        chart = ('<figure class="wide experiment-loss"><figcaption>Loss: the original run, '
+                 "the control, float32 everywhere and the fix</figcaption>"
+                 f'<div class="legend">{legend}<span><i class="vline"></i>first failure</span>'
+                 '<span><i class="cross">×</i>non-finite loss</span></div>'
+                 f'<div class="chart-wrap">{svg}</div></figure>')
+    sub = ("Each row is the script run again with one change (the control: none) to the "
+           f"horizon of {ex.horizon} steps; the verdict is read from their outcomes.")
+    return _card("experiments", "Experiments", table + chart +
+                 _list(experiment_lines(trace), "facts"), sub=sub)
 
 
 def _notes(notes: Sequence[str]) -> str:

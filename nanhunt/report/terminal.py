@@ -48,6 +48,8 @@ from nanhunt.report._common import (
     values_summary,
     verdict,
     verification_lines,
+    experiment_lines,
+    experiment_rows,
 )
 from nanhunt.trace import Failure, Finding, RankSummary, Recommendation, StepRecord, Trace
 
@@ -87,6 +89,11 @@ def render_terminal(
     if trace.diagnosis is not None:
         _section(console, "Diagnosis")
         console.print(_finding(trace.diagnosis, evidence=True))
+    if experiment_rows(trace) or (trace.experiments is not None and
+                                  "--verify 0" not in trace.experiments.note and
+                                  experiment_lines(trace)):
+        _section(console, "Experiments (re-runs that each change one thing)")
+        _experiments(console, trace)
     if trace.warnings:
         _section(console, f"Warnings ({len(trace.warnings)})")
         _warnings(console, trace, show_all)
@@ -120,6 +127,25 @@ def render_terminal(
     if trace.notes:
         _section(console, "Notes (limits of this report)")
         console.print(_bullets(trace.notes, indent=0, style="yellow"))
+
+
+def _experiments(console: Console, trace: Trace) -> None:
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True, style="bold")
+    grid.add_column(overflow="fold")
+    for rung, spec, steps, outcome, detail, seconds in experiment_rows(trace):
+        style = "green" if outcome == "trained" else "red" if outcome in (
+            "failure recurred", "failure moved", "diverged", "crashed") else "yellow"
+        line = Text(f"{spec}: ")
+        line.append(outcome, style=style)
+        shown = detail.removeprefix("the failure recurred: ")
+        line.append(f": {shown} ({steps} steps, {seconds})" if shown else
+                    f" ({steps} steps, {seconds})")
+        grid.add_row(rung, line)
+    console.print(grid)
+    lines = experiment_lines(trace)
+    if lines:
+        console.print(_bullets(lines, indent=0, style=""))
 
 
 def _section(console: Console, title: str) -> None:

@@ -101,7 +101,8 @@ def test_a_fix_that_only_moves_the_failure_is_not_verified_a_wider_one_is(report
     assert "*" in rec["fix"][0]  # a pattern: both blocks
     assert rec["tries"][-1]["verified"] and rec["tries"][-1]["fixes"] == rec["fix"]
     # the console says the script will be re-run before the first re-run
-    assert stderr.index("re-running the script up to 4 times") < stderr.index("re-run 1 of 4")
+    assert stderr.index("re-running the script (a control, the experiment ladder, up to 4 "
+                        "fixes)") < stderr.index("nanhunt: re-run fix 1 --fix")
     assert report["verification"]["tries"] == len(rec["tries"])
 
 
@@ -189,7 +190,7 @@ def test_ctrl_c_during_verification_keeps_the_report(tmp_path):
         if not line:
             break
         seen += line
-    assert "re-running the script up to 4 times" in seen
+    assert "re-running the script (a control" in seen
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     rest = proc.stderr.read()

@@ -12,6 +12,8 @@ import pytest
 from nanhunt.trace import (
     SCHEMA_VERSION,
     CastCounts,
+    Experiment,
+    Experiments,
     Failure,
     Finding,
     FixTry,
@@ -51,6 +53,8 @@ SECTIONS = {
     PrecisionLoss: "PrecisionLoss",
     FixTry: "FixTry",
     Verification: "Verification",
+    Experiments: "Experiments",
+    Experiment: "Experiment",
 }
 
 

@@ -1,0 +1,310 @@
+"""Diagnosis by experiment: which re-runs to make, how to read each, what they prove. Torch-free.
+
+Every experiment is the user's script run again to a horizon with one change installed from
+outside (a ``--fix`` spec) or none (the control). :func:`first_rungs` and :func:`next_rungs`
+plan them, :func:`outcome` reads one re-run's report against the original run, and
+:func:`classify` turns the outcomes into a verdict (the decision table in docs/rules.md):
+
+* the control does not fail at the original's step: the failure did not recur; nothing is
+  verified;
+* float32 everywhere trains: a precision failure; bfloat16 training too makes it a range
+  failure (float16's exponent range), bfloat16 failing a resolution one; GradScaler disabled
+  training (with a scaler in the loop) makes it loss scaling;
+* float32 everywhere fails the same way: not precision-specific; the learning-rate rungs
+  training make it optimisation, replacing the failing batch data; else code that fails in any
+  precision.
+
+The rules then name the op, the mechanism and the fix inside the verdict; a rule whose kind the
+experiments contradict loses, and :func:`classify` says why.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nanhunt.trace import Experiment, Experiments, Trace
+
+__all__ = ["BLOWUP", "Rung", "classify", "failure_step", "first_rungs", "horizon",
+           "loss_gap", "next_rungs", "outcome", "uses_low_precision"]
+
+BLOWUP = 10.0  # a loss this many times its first value is not training
+CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
+HORIZON_FACTOR, HORIZON_MIN = 2, 20  # re-runs run to max(2 x failure, failure + 20)
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    fixes: tuple[str, ...]
+    purpose: str
+
+
+def failure_step(trace: Trace) -> int | None:
+    """The step the experiments are read at: the first failure's, else the diagnosis's (a
+    failure with no non-finite value), else the crash's."""
+    if trace.first_failure is not None:
+        return trace.first_failure.step
+    if trace.diagnosis is not None and trace.diagnosis.step is not None:
+        return trace.diagnosis.step
+    if trace.crash is not None and getattr(trace.crash, "step", None) is not None:
+        return trace.crash.step
+    return None
+
+
+def horizon(step: int | None, trace: Trace, max_steps: int | None) -> int:
+    """Steps a re-run runs: past max(2 x the failure step, failure step + 20)."""
+    last = max((s.index for s in trace.steps), default=0)
+    at = step if step is not None else last
+    n = max(HORIZON_FACTOR * at, at + HORIZON_MIN) + 1
+    return min(n, max_steps) if max_steps else n
+
+
+def uses_low_precision(trace: Trace) -> bool:
+    run = trace.run
+    return bool(run.autocast or run.scaler or
+                any(d in ("float16", "bfloat16") for d in run.dtypes) or
+                run.target in ("float16", "bfloat16") and run.target_source != "default")
+
+
+def _float16(trace: Trace) -> bool:
+    return "float16" in trace.run.dtypes or (trace.run.autocast and
+                                             trace.run.target == "float16")
+
+
+def first_rungs(trace: Trace) -> list[Rung]:
+    """The control, and float32 everywhere where the run used a low-precision format."""
+    rungs = [Rung("control", (), "does the failure recur with nothing changed?")]
+    if uses_low_precision(trace):
+        rungs.append(Rung("fp32", ("fp32-all",), "does it recur in float32 everywhere?"))
+    return rungs
+
+
+def next_rungs(trace: Trace, ex: Experiments) -> list[Rung]:
+    """The rungs the first outcomes call for."""
+    fp32 = _run(ex, "fp32")
+    step = ex.failure_step
+    rungs: list[Rung] = []
+    precision = fp32 is not None and fp32.outcome == "trained"
+    if precision:
+        if _float16(trace):
+            rungs.append(Rung("bf16", ("bf16",), "does bfloat16 (float32's range, fewer "
+                                                 "mantissa bits) train?"))
+        if trace.run.scaler:
+            rungs.append(Rung("no-scaler", ("no-scaler",),
+                              "does it train without loss scaling?"))
+        return rungs
+    if trace.optimizers or any(s.lr is not None for s in trace.steps):
+        rungs += [Rung("lr-0.1", ("lr-factor=0.1",), "does a 10x lower learning rate train?"),
+                  Rung("lr-0.01", ("lr-factor=0.01",),
+                       "does a 100x lower learning rate train?")]
+    if step is not None and step >= 1:
+        rungs.append(Rung("skip-batch", (f"skip-batch={step}",),
+                          f"does it train with step {step}'s batch replaced by step "
+                          f"{step - 1}'s?"))
+    return rungs
+
+
+def _run(ex: Experiments, rung: str) -> Experiment | None:
+    return next((e for e in ex.runs if e.rung == rung and e.outcome != "not run"), None)
+
+
+def _longest_run(indices: list[int]) -> int:
+    best = run = 0
+    prev = None
+    for i in indices:
+        run = run + 1 if prev is not None and i == prev + 1 else 1
+        best, prev = max(best, run), i
+    return best
+
+
+def outcome(e: Experiment, original: Trace, rerun: Trace | None, *, exit_code: int,
+            output_tail: str = "", timed_out: bool = False) -> Experiment:
+    """Fill ``e`` from a re-run's report: its outcome and what showed it."""
+    step = failure_step(original)
+    if rerun is None:
+        last = output_tail.strip().splitlines()[-1:] or [f"exit status {exit_code}"]
+        e.outcome = "stopped" if timed_out else "crashed"
+        e.detail = ("stopped: out of time before it wrote a report" if timed_out else
+                    f"re-run crashed: {last[0][:200]}")
+        return e
+    steps = rerun.steps
+    e.steps = len(steps)
+    e.losses = [s.loss for s in steps]
+    e.skipped = [s.index for s in steps if s.skipped]
+    e.ended = rerun.run.status == "complete"
+    f = rerun.first_failure
+    if rerun.run.status == "crashed" and (f is None or (step is not None and f.step > step)):
+        # an exception before anything went non-finite: never a training result
+        same = original.run.status == "crashed" and original.first_failure is None and \
+            (original.run.error or "").split(":")[0] == (rerun.run.error or "").split(":")[0]
+        e.outcome = "recurred" if same else "crashed"
+        e.detail = f"re-run crashed: {rerun.run.error or 'an exception'}" + \
+            (f" (step {e.steps - 1})" if e.steps else " (before its first step)")
+        return e
+    if f is not None:
+        e.failure, e.failure_step = f.where(), f.step
+        e.outcome = "recurred" if f.step == step else "moved"
+        e.detail = ("the failure recurred: " if e.outcome == "recurred" else
+                    "first failure at another step: ") + f.where()
+        return e
+    bad = next((s for s in steps if s.loss is not None and not math.isfinite(s.loss)), None)
+    applied = [s.index for s in steps if not s.skipped]
+    late = [i for i in e.skipped if applied and i > applied[0]]
+    finite = [abs(v) for v in e.losses if v is not None and math.isfinite(v)]
+    if bad is not None:
+        e.outcome, e.detail = "diverged", f"loss {bad.loss} at step {bad.index}"
+    elif steps and not applied:
+        e.outcome, e.detail = "diverged", f"GradScaler skipped all {len(steps)} steps"
+    elif _longest_run(late) >= 2 or len(e.skipped) - len(late) > CALIBRATION_SKIPS:
+        e.outcome = "diverged"
+        e.detail = f"a run of {max(_longest_run(late), len(e.skipped) - len(late))} " \
+            "skipped steps"
+    elif finite and finite[0] > 0 and max(finite) > BLOWUP * finite[0]:
+        e.outcome = "diverged"
+        e.detail = f"the loss blew up: {max(finite):.3g}, {max(finite) / finite[0]:.0f}x its " \
+            f"first value {finite[0]:.3g}"
+    elif rerun.problem:
+        what = rerun.diagnosis.kind.replace("_", " ") if rerun.diagnosis else "a problem"
+        same = original.diagnosis is not None and rerun.diagnosis is not None and \
+            rerun.diagnosis.kind == original.diagnosis.kind
+        e.outcome = "recurred" if same and e.rung == "control" else "diverged"
+        e.detail = f"the re-run has a problem too: {what}" + \
+            (f" ({rerun.diagnosis.message[:160]})" if rerun.diagnosis else "")
+    elif e.steps < e.target_steps and not e.ended:
+        e.outcome = "stopped"
+        e.detail = f"stopped after {e.steps} of {e.target_steps} steps ({rerun.run.status})"
+    else:
+        e.outcome = "trained"
+        span = [v for v in e.losses if v is not None]
+        e.detail = (f"{e.steps} steps" + (" (the script's end)" if e.ended and
+                                          e.steps < e.target_steps else "")
+                    + (f", loss {span[0]:.4g} -> {span[-1]:.4g}" if span else "")
+                    + (f", {len(e.skipped)} calibration skip" + ("s" if len(e.skipped) > 1
+                                                                  else "")
+                       if e.skipped else ""))
+    return e
+
+
+def control_facts(ex: Experiments, original: Trace) -> None:
+    """Whether the control reproduced the failure, and its losses against the original's."""
+    c = _run(ex, "control")
+    if c is None:
+        return
+    ex.control_reproduced = c.outcome == "recurred"
+    step = ex.failure_step if ex.failure_step is not None else len(original.steps)
+    a = [s.loss for s in original.steps if s.index < step]
+    b = c.losses[: len(a)]
+    if len(b) == len(a) and a:
+        ex.deterministic = all(x == y or (x is not None and y is not None and math.isnan(x)
+                                          and math.isnan(y)) for x, y in zip(a, b))
+        gaps = [abs(x - y) for x, y in zip(a, b) if x is not None and y is not None
+                and math.isfinite(x) and math.isfinite(y)]
+        ex.spread = max(gaps) if gaps else None
+
+
+def loss_gap(run: Experiment, reference: Experiment, ex: Experiments,
+             control: Experiment | None) -> tuple[float, float] | None:
+    """(how much higher ``run``'s loss is than ``reference``'s, the noise it is judged against),
+    over the last steps both ran. The noise is the larger of the control's spread against the
+    original run and the two runs' own difference before the failure step, doubled, and never
+    less than 5% of the reference's loss there (float16 and float32 differ that much on a healthy
+    run)."""
+    n = min(len(run.losses), len(reference.losses))
+    if n == 0:
+        return None
+    window = range(max(0, n - 5), n)
+    a = [run.losses[i] for i in window]
+    b = [reference.losses[i] for i in window]
+    if any(v is None or not math.isfinite(v) for v in a + b):
+        return None
+    mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)  # type: ignore[arg-type]
+    before = ex.failure_step if ex.failure_step is not None else n
+    early = [abs(x - y) for x, y in zip(run.losses[:before], reference.losses[:before])
+             if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)]
+    noise = max([ex.spread or 0.0, *early]) * 2
+    noise = max(noise, 0.05 * abs(mean_b))
+    return mean_a - mean_b, noise
+
+
+_PRECISION_KINDS = ("overflow", "underflow", "loss_scale")
+_NOT_PRECISION_KINDS = ("lr_too_high", "exploding_gradient")
+_NAMES = {
+    "precision-range": "a precision failure of float16's range",
+    "precision-resolution": "a precision failure of resolution (bfloat16 fails too)",
+    "loss-scaling": "a loss-scaling failure",
+    "optimisation": "an optimisation failure (the learning rate)",
+    "data": "a data failure (the batch)",
+    "not-precision": "not precision-specific: it fails in float32 too",
+    "silent-precision": "a silent precision failure: it learns less than in float32",
+}
+
+
+def classify(ex: Experiments, trace: Trace) -> None:
+    """The verdict of the experiments, the one that proves it, and a contradicted rule."""
+    if ex.control_reproduced is False:
+        c = _run(ex, "control")
+        ex.verdict = "not-reproduced"
+        ex.verdict_text = ("the failure did not recur in an unfixed re-run (control: "
+                           f"{c.detail if c else 'no result'}): nothing is verified")
+        return
+    if ex.control_reproduced is None:
+        ex.verdict = "undetermined"
+        ex.verdict_text = "the control did not run: no experiment can be read"
+        return
+    fp32, bf16 = _run(ex, "fp32"), _run(ex, "bf16")
+    noscale = _run(ex, "no-scaler")
+    said: list[str] = []
+    verdict = "undetermined"
+    if fp32 is None:
+        verdict = "not-precision"
+        said.append("the run used no low-precision format")
+    elif fp32.outcome == "trained":
+        said.append("float32 everywhere removes the failure")
+        if noscale is not None and noscale.outcome == "trained":
+            verdict = "loss-scaling"
+            said.append("disabling GradScaler does too")
+        elif bf16 is not None and bf16.outcome == "trained":
+            verdict = "precision-range"
+            said.append("bfloat16 does too")
+        elif bf16 is not None and bf16.outcome in ("recurred", "moved", "diverged"):
+            verdict = "precision-resolution"
+            said.append(f"bfloat16 does not ({bf16.outcome})")
+        elif bf16 is None and not _float16(trace):
+            verdict = "precision-resolution"
+            said.append("the run is bfloat16 already (float32's range)")
+        else:
+            verdict = "precision-range"
+    elif fp32.outcome in ("recurred", "moved", "diverged"):
+        said.append(f"float32 everywhere does not remove it ({fp32.outcome}"
+                    + (f" at step {fp32.failure_step}" if fp32.failure_step is not None
+                       else "") + ")")
+        lr = next((e for e in (_run(ex, "lr-0.1"), _run(ex, "lr-0.01"))
+                   if e is not None and e.outcome == "trained"), None)
+        skip = _run(ex, "skip-batch")
+        if lr is not None:
+            verdict = "optimisation"
+            said.append(f"a learning rate x{lr.fixes[0].split('=')[1]} removes it")
+        elif skip is not None and skip.outcome == "trained":
+            verdict = "data"
+            said.append("replacing the failing batch removes it")
+        else:
+            verdict = "not-precision"
+            tried = [e.rung for e in ex.runs if e.rung in ("lr-0.1", "lr-0.01", "skip-batch")
+                     and e.outcome != "not run"]
+            if tried:
+                said.append(", ".join(tried) + " do not either")
+    else:
+        said.append(f"the float32 experiment {fp32.outcome}: {fp32.detail}")
+    ex.verdict = verdict
+    ex.verdict_text = "; ".join(said) + (f": {_NAMES[verdict]}" if verdict in _NAMES else "")
+    kind = trace.diagnosis.kind if trace.diagnosis is not None else ""
+    if verdict in ("not-precision", "optimisation", "data") and fp32 is not None and \
+            kind in _PRECISION_KINDS:
+        ex.contradiction = (f"the rules called it {kind.replace('_', ' ')}, a precision "
+                            "failure, but it recurs in float32 everywhere: the experiments win")
+    elif verdict in ("precision-range", "precision-resolution", "loss-scaling") and \
+            kind in _NOT_PRECISION_KINDS:
+        ex.contradiction = (f"the rules called it {kind.replace('_', ' ')}, but float32 "
+                            "everywhere removes the failure: a precision failure, the "
+                            "experiments win")

@@ -1,0 +1,215 @@
+"""The experiment ladder's whole-program fixes, installed from outside the script.
+
+Each is a ``--fix`` spec (:mod:`nanhunt.fixspec`) that changes one thing about the whole run, so
+that a re-run with it says what kind of failure this is (DESIGN.md §9, docs/rules.md):
+
+``fp32-all``
+    float32 everywhere: ``torch.autocast`` is entered disabled, ``.half()``, ``.bfloat16()`` and
+    ``.to(float16|bfloat16)`` called by the script on a module or tensor are no-ops, and
+    GradScaler is made with ``enabled=False`` (it then scales nothing and skips nothing).
+``bf16``
+    bfloat16 instead of float16: autocast's float16 becomes bfloat16, the script's ``.half()``
+    and ``.to(float16)`` give bfloat16; GradScaler is left as it is.
+``no-scaler``
+    GradScaler made with ``enabled=False``.
+``skip-batch=N``
+    at step N, every outermost module call (the model, a loss module) gets the floating-point
+    tensors it was called with at step N-1 instead of step N's: the batch is replaced by the
+    previous one; the loop and its labels are the script's.
+
+Only calls made by the script are changed (not torch's own internals). :func:`install` enters
+the patches on an :class:`contextlib.ExitStack`; closing it restores every patched object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _M
+from torch.optim import optimizer as _O
+
+from nanhunt import capture
+from nanhunt.fixspec import FixSpec
+
+__all__ = ["GLOBAL_KINDS", "install"]
+
+#: the kinds this module installs
+GLOBAL_KINDS = ("fp32-all", "bf16", "no-scaler", "skip-batch")
+
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _by_user(depth: int = 2) -> bool:
+    """Whether the caller's caller is the script (or any code outside torch)."""
+    frame = sys._getframe(depth)
+    return frame is None or not frame.f_code.co_filename.startswith(_TORCH_DIR)
+
+
+class _Patches:
+    def __init__(self, stack: contextlib.ExitStack, applied: dict[str, set[str]]) -> None:
+        self.stack = stack
+        self.applied = applied
+
+    def patch(self, owner: Any, name: str, wrapper: Any) -> None:
+        own = name in owner.__dict__  # else inherited (torch.Tensor's methods are TensorBase's)
+        original = owner.__dict__[name] if own else getattr(owner, name)
+        setattr(owner, name, wrapper(original))
+        self.stack.callback(setattr, owner, name, original) if own else \
+            self.stack.callback(delattr, owner, name)
+
+
+def _precision(p: _Patches, spec: str, new: torch.dtype | None) -> None:
+    """Casts to float16/bfloat16 become casts to ``new`` (None: no cast, float32 stays)."""
+    autocast_cls = torch.amp.autocast_mode.autocast
+    sig = inspect.signature(autocast_cls.__init__)
+
+    def wrap_autocast(original: Any) -> Any:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            bound = sig.bind(self, *args, **kwargs)
+            a = bound.arguments
+            if new is None:
+                if a.get("enabled", True):
+                    p.applied[spec].add("autocast")
+                a["enabled"] = False
+            elif a.get("dtype") == torch.float16 or (
+                    a.get("dtype") is None and a.get("device_type") == "cuda"):
+                a["dtype"] = new
+                p.applied[spec].add("autocast")
+            original(*bound.args, **bound.kwargs)
+
+        return __init__
+
+    p.patch(autocast_cls, "__init__", wrap_autocast)
+
+    def target(dtype: Any) -> Any:
+        """What a cast to ``dtype`` becomes: the same dtype, ``new``, or None (no cast)."""
+        if dtype in _LOW and (new is None or dtype == torch.float16):
+            return new if new is not None else None
+        return dtype
+
+    def wrap_half(original: Any, kind: str, dtype: torch.dtype) -> Any:
+        def half(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not _by_user():
+                return original(self, *args, **kwargs)
+            to = target(dtype)
+            if to == dtype:
+                return original(self, *args, **kwargs)
+            p.applied[spec].add(kind)
+            if to is None:
+                return self
+            return self.to(to) if isinstance(self, torch.Tensor) else nn.Module.to(self, to)
+
+        return half
+
+    def wrap_to(original: Any, kind: str) -> Any:
+        def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not _by_user():
+                return original(self, *args, **kwargs)
+            try:
+                device, dtype, non_blocking, fmt = torch._C._nn._parse_to(*args, **kwargs)
+            except Exception:  # an argument _parse_to does not know: as the script wrote it
+                return original(self, *args, **kwargs)
+            changed = target(dtype)
+            if dtype is None or changed == dtype:
+                return original(self, *args, **kwargs)
+            if isinstance(self, torch.Tensor) and not self.is_floating_point():
+                return original(self, *args, **kwargs)
+            p.applied[spec].add(kind)
+            kw: dict[str, Any] = {"non_blocking": non_blocking}
+            if changed is not None:
+                kw["dtype"] = changed
+            if device is not None:
+                kw["device"] = device
+            if fmt is not None and not isinstance(self, torch.Tensor):
+                kw["memory_format"] = fmt
+            if len(kw) == 1:
+                return self
+            return original(self, **kw)
+
+        return to
+
+    for owner, kind in ((nn.Module, "module casts"), (torch.Tensor, "tensor casts")):
+        p.patch(owner, "half", lambda o, k=kind: wrap_half(o, k, torch.float16))
+        p.patch(owner, "bfloat16", lambda o, k=kind: wrap_half(o, k, torch.bfloat16))
+        p.patch(owner, "to", lambda o, k=kind: wrap_to(o, k))
+
+
+def _no_scaler(p: _Patches, spec: str) -> None:
+    cls = torch.amp.GradScaler
+    sig = inspect.signature(cls.__init__)
+
+    def wrap(original: Any) -> Any:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            bound = sig.bind(self, *args, **kwargs)
+            if bound.arguments.get("enabled", True):
+                p.applied[spec].add("GradScaler")
+            bound.arguments["enabled"] = False
+            original(*bound.args, **bound.kwargs)
+
+        return __init__
+
+    p.patch(cls, "__init__", wrap)
+
+
+class _SkipBatch:
+    """Step ``step``'s outermost module calls get step ``step - 1``'s tensors."""
+
+    def __init__(self, step: int, spec: str, applied: dict[str, set[str]]) -> None:
+        self.step, self.spec, self.applied = step, spec, applied
+        self.depth = 0
+        self.prev: dict[int, tuple] = {}
+        self.taken = 0
+
+    def optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.taken += 1
+
+    def pre(self, module: nn.Module, args: tuple) -> Any:
+        outermost = self.depth == 0
+        self.depth += 1
+        if not outermost or torch.compiler.is_compiling():
+            return None
+        hunt = capture._ACTIVE
+        # nanhunt's step (it counts the steps GradScaler skips); without a session, the
+        # optimizer steps taken so far
+        step = hunt.step if hunt is not None else self.taken
+        key = id(module)
+        if step == self.step:
+            old = self.prev.get(key)
+            if old is not None and len(old) == len(args):
+                self.applied[self.spec].add(type(module).__name__)
+                return tuple(o if o is not None else a for o, a in zip(old, args))
+            return None
+        if step == self.step - 1 and key not in self.prev:
+            self.prev[key] = tuple(
+                a.detach().clone() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                else None for a in args)
+        return None
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.depth = max(0, self.depth - 1)
+
+
+def install(specs: list[FixSpec], stack: contextlib.ExitStack,
+            applied: dict[str, set[str]]) -> None:
+    """Install the whole-program specs among ``specs`` onto ``stack``."""
+    p = _Patches(stack, applied)
+    for spec in specs:
+        if spec.kind == "fp32-all":
+            _precision(p, str(spec), None)
+            _no_scaler(p, str(spec))
+        elif spec.kind == "bf16":
+            _precision(p, str(spec), torch.bfloat16)
+        elif spec.kind == "no-scaler":
+            _no_scaler(p, str(spec))
+        elif spec.kind == "skip-batch":
+            skip = _SkipBatch(int(spec.value or 0), str(spec), applied)
+            stack.enter_context(_M.register_module_forward_pre_hook(skip.pre))
+            stack.enter_context(_M.register_module_forward_hook(skip.post, always_call=True))
+            stack.enter_context(_O.register_optimizer_step_post_hook(skip.optimizer_step))

@@ -1,0 +1,72 @@
+"""The experiment ladder's whole-program fixes (nanhunt.experiment.rungs), each applied from outside to a
+float16 run and checked against the path the script spells out by hand (its own float32,
+bfloat16, no-scaler and replaced-input paths): the same losses, bit for bit."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_fixes import run_script  # noqa: E402
+
+from nanhunt.fixspec import parse_fix, snippet, SnippetContext  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "precision_paths.py"
+
+
+def losses(args: list[str], fixes: list[str] = ()) -> list[float]:
+    return [float(line.split()[-1]) for line in run_script(SCRIPT, args, fixes=fixes)]
+
+
+@pytest.mark.parametrize("style", ["autocast", "half"])
+def test_fp32_all_is_the_scripts_own_float32_path(style):
+    reference = losses(["--style", style, "--dtype", "float32"])
+    fixed = losses(["--style", style], fixes=["fp32-all"])
+    assert fixed == reference
+    assert losses(["--style", style]) != reference  # the float16 run differs
+
+
+@pytest.mark.parametrize("style", ["autocast", "half"])
+def test_bf16_is_the_scripts_own_bfloat16_path(style):
+    extra = ["--scaler", "on"] if style == "autocast" else []  # bf16 keeps the loop's scaler
+    assert losses(["--style", style], fixes=["bf16"]) == \
+        losses(["--style", style, "--dtype", "bfloat16", *extra])
+
+
+def test_no_scaler_is_the_scripts_own_path_without_a_scaler():
+    assert losses([], fixes=["no-scaler"]) == losses(["--scaler", "off"])
+
+
+@pytest.mark.parametrize("style", ["autocast", "half"])
+def test_skip_batch_gives_the_model_the_previous_input(style):
+    assert losses(["--style", style], fixes=["skip-batch=3"]) == \
+        losses(["--style", style, "--replace-input", "3"])
+
+
+def test_the_patches_are_gone_after_the_run():
+    before = (torch.Tensor.half, torch.nn.Module.to, torch.amp.GradScaler.__init__,
+              torch.amp.autocast_mode.autocast.__init__)
+    losses([], fixes=["fp32-all", "skip-batch=2"])
+    after = (torch.Tensor.half, torch.nn.Module.to, torch.amp.GradScaler.__init__,
+             torch.amp.autocast_mode.autocast.__init__)
+    assert before == after
+    assert "half" not in torch.Tensor.__dict__ and "to" not in torch.Tensor.__dict__
+    assert torch.ones(1).half().dtype == torch.float16
+
+
+@pytest.mark.parametrize("text", ["fp32-all", "bf16", "no-scaler", "skip-batch=4"])
+def test_specs_round_trip_and_have_a_snippet(text):
+    spec = parse_fix(text)
+    assert str(spec) == text
+    assert snippet([spec], SnippetContext(device="cpu")).code
+
+
+def test_skip_batch_is_a_whole_step():
+    from nanhunt.errors import NanhuntError
+
+    with pytest.raises(NanhuntError, match="whole number"):
+        parse_fix("skip-batch=1.5")
