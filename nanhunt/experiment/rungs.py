@@ -35,6 +35,7 @@ from torch.nn.modules import module as _M
 from torch.optim import optimizer as _O
 
 from nanhunt import capture
+from nanhunt._patching import patch
 from nanhunt.fixspec import FixSpec
 
 __all__ = ["GLOBAL_KINDS", "install"]
@@ -58,11 +59,12 @@ class _Patches:
         self.applied = applied
 
     def patch(self, owner: Any, name: str, wrapper: Any) -> None:
-        own = name in owner.__dict__  # else inherited (torch.Tensor's methods are TensorBase's)
-        original = owner.__dict__[name] if own else getattr(owner, name)
-        setattr(owner, name, wrapper(original))
-        self.stack.callback(setattr, owner, name, original) if own else \
-            self.stack.callback(delattr, owner, name)
+        if name in vars(owner):
+            patch(self.stack, owner, name, wrapper)
+            return
+        # inherited (torch.Tensor's methods are TensorBase's): shadow it, then remove the shadow
+        setattr(owner, name, wrapper(getattr(owner, name)))
+        self.stack.callback(delattr, owner, name)
 
 
 def _precision(p: _Patches, spec: str, new: torch.dtype | None) -> None:

@@ -89,12 +89,6 @@ def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code:
     steps = rerun.steps
     t.steps = len(steps)
     t.losses = [s.loss for s in steps]
-    o = original.first_failure
-    if rerun.run.status == "crashed" and (rerun.first_failure is None or o is None or
-                                          rerun.first_failure.step > o.step):
-        t.skipped = [s.index for s in steps if s.skipped]
-        t.reason = f"re-run crashed: {rerun.run.error or 'an exception'}"
-        return t
     t.skipped = [s.index for s in steps if s.skipped]
     scales = [s.scale for s in steps if s.scale is not None]
     t.scale_first, t.scale_last = (scales[0], scales[-1]) if scales else (None, None)

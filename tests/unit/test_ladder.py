@@ -145,7 +145,8 @@ def test_a_rerun_that_crashed_before_the_failure_step_is_never_a_training_result
     rerun = _rerun([1.0, 1.0], status="crashed")
     rerun.run.error = "RuntimeError: dtype mismatch"
     r = judge(t, rerun, 24, exit_code=1)
-    assert not r.verified and r.reason == "re-run crashed: RuntimeError: dtype mismatch"
+    assert not r.verified
+    assert r.reason == "the re-run crashed after 2 steps: RuntimeError: dtype mismatch"
 
 
 def _fix(losses, status="stopped") -> tuple[FixTry, Experiment]:
