@@ -23,14 +23,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nanhunt.trace import Experiment, Experiments, Trace
+from nanhunt.trace import Experiment, Experiments, Finding, Trace
 
-__all__ = ["BLOWUP", "Rung", "classify", "failure_step", "first_rungs", "horizon",
-           "loss_gap", "next_rungs", "outcome", "uses_low_precision"]
+__all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "failure_step", "first_rungs",
+           "horizon", "loss_gap", "next_rungs", "outcome", "silent_candidate", "silent_verdict",
+           "uses_low_precision"]
 
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
 HORIZON_FACTOR, HORIZON_MIN = 2, 20  # re-runs run to max(2 x failure, failure + 20)
+#: a run with no problem is compared with its float32 experiment when it ran this many steps
+#: (fewer cannot show that it learns less)
+MIN_SILENT_STEPS = 20
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,8 @@ def loss_gap(run: Experiment, reference: Experiment, ex: Experiments,
     if any(v is None or not math.isfinite(v) for v in a + b):
         return None
     mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)  # type: ignore[arg-type]
-    before = ex.failure_step if ex.failure_step is not None else n
+    # a run with no failure step has no "before": its noise is the control's spread alone
+    before = ex.failure_step if ex.failure_step is not None else 0
     early = [abs(x - y) for x, y in zip(run.losses[:before], reference.losses[:before])
              if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)]
     noise = max([ex.spread or 0.0, *early]) * 2
@@ -308,3 +313,68 @@ def classify(ex: Experiments, trace: Trace) -> None:
         ex.contradiction = (f"the rules called it {kind.replace('_', ' ')}, but float32 "
                             "everywhere removes the failure: a precision failure, the "
                             "experiments win")
+
+
+def silent_candidate(trace: Trace) -> bool:
+    """A run with no problem found that the float32 comparison can judge: mixed precision, run
+    to its end, long enough to learn."""
+    return (not trace.problem and uses_low_precision(trace) and
+            trace.run.status == "complete" and len(trace.steps) >= MIN_SILENT_STEPS and
+            all(s.loss is not None and math.isfinite(s.loss) for s in trace.steps))
+
+
+def silent_verdict(ex: Experiments, trace: Trace) -> Finding | None:
+    """Whether a run with no non-finite value learns measurably less than float32 everywhere at
+    the same step, beyond the control's spread: the finding that says so, or None."""
+    control, fp32 = _run(ex, "control"), _run(ex, "fp32")
+    if control is None or fp32 is None:
+        ex.verdict, ex.verdict_text = "undetermined", "the control or the float32 experiment " \
+            "did not run"
+        return None
+    ex.control_reproduced = control.outcome == "trained"
+    if control.outcome == "diverged":
+        # the run itself diverged (a loss 10x its first, a skip streak) with nothing non-finite
+        # traced: never OK; float32 everywhere says whether precision is the cause
+        precision = fp32.outcome == "trained"
+        ex.control_reproduced = True
+        ex.verdict = "precision-range" if precision else "not-precision"
+        ex.verdict_text = (f"the loss diverges ({control.detail}); float32 everywhere "
+                           + ("trains: a precision failure" if precision else
+                              f"{fp32.outcome} too ({fp32.detail}): not precision-specific"))
+        return Finding(rule="experiment-divergence", kind="divergence", severity="error",
+                       message=f"the training diverged: {control.detail}",
+                       evidence=[ex.verdict_text], step=len(control.losses) - 1)
+    if fp32.outcome != "trained" or control.outcome != "trained":
+        ex.verdict = "undetermined"
+        ex.verdict_text = (f"the float32 experiment {fp32.outcome} ({fp32.detail})"
+                           if fp32.outcome != "trained" else
+                           f"the control {control.outcome} ({control.detail})")
+        return None
+    gap = loss_gap(control, fp32, ex, control)
+    n = min(len(control.losses), len(fp32.losses))
+    if gap is None or n == 0:
+        ex.verdict, ex.verdict_text = "undetermined", "no common finite losses to compare"
+        return None
+    diff, noise = gap
+    start = fp32.losses[0]
+    end = sum(v for v in fp32.losses[max(0, n - 5):n] if v is not None) / len(
+        fp32.losses[max(0, n - 5):n])
+    learned = start is not None and start - end > noise
+    where = f"over steps {max(0, n - 5)}-{n - 1}"
+    if diff > noise and learned:
+        ex.verdict = "silent-precision"
+        ex.verdict_text = (f"float32 everywhere reaches a mean loss of {end:.4g} {where}; this "
+                           f"run's control {end + diff:.4g}: {diff:.3g} higher, beyond the noise "
+                           f"{noise:.3g} (the control against the original run differs by "
+                           f"{ex.spread or 0:.3g}): {_NAMES['silent-precision']}")
+        return Finding(
+            rule="experiment-silent-precision", kind="silent_precision", severity="error",
+            message=("the run learns measurably less than the same script in float32 "
+                     f"everywhere: mean loss {end + diff:.4g} against {end:.4g} {where}"),
+            evidence=[ex.verdict_text], step=n - 1,
+            data={"gap": diff, "noise": noise, "fp32_loss": end})
+    ex.verdict = ""
+    ex.verdict_text = (f"no silent precision loss: the loss is within {noise:.3g} of float32 "
+                       f"everywhere {where} ({diff:+.3g})" if learned else
+                       "float32 everywhere does not learn measurably either: no comparison")
+    return None

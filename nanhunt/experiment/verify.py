@@ -40,6 +40,8 @@ from nanhunt.experiment.ladder import (
     loss_gap,
     next_rungs,
     outcome,
+    silent_candidate,
+    silent_verdict,
 )
 from nanhunt.fixspec import parse_fix
 from nanhunt.trace import (
@@ -444,20 +446,38 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         ex.note = "experiments are off (--verify 0): the verdict is the rules' alone"
         _label_untried(trace, "not verified: re-run verification is off (--verify 0)")
         return
-    if not trace.problem:
+    silent = silent_candidate(trace)
+    if not trace.problem and not silent:
         v.note = "nothing to verify: no problem was found"
         trace.experiments = None
         return
-    ex.failure_step = failure_step(trace)
-    steps = v.target_steps = ex.horizon = horizon(ex.failure_step, trace, cfg.max_steps)
+    if trace.run.status == "crashed" and trace.first_failure is None:
+        v.note = "the script raised an exception before any value went non-finite: not re-run"
+        ex.source = "rules"
+        ex.note = ("the script raised an exception before any value went non-finite: no "
+                   "experiment re-runs a crash; the verdict is the rules' alone")
+        _label_untried(trace, "not verified: " + v.note)
+        return
+    if silent:
+        # no problem found: compare the whole run with float32 everywhere (a silent failure)
+        v.note = "no problem was found: the run was compared with float32 everywhere"
+        steps = len(trace.steps) if not cfg.max_steps else min(len(trace.steps),
+                                                                  cfg.max_steps)
+        v.target_steps = ex.horizon = steps
+    else:
+        ex.failure_step = failure_step(trace)
+        steps = v.target_steps = ex.horizon = horizon(ex.failure_step, trace, cfg.max_steps)
     budget = cfg.budget if cfg.budget is not None else max(
         BUDGET_MIN, BUDGET_FACTOR * (cfg.script_seconds or 10.0))
     v.budget_seconds = ex.budget_seconds = round(budget, 2)
     candidates = verify_order(trace.recommendations)
     progress = _Progress(cfg.quiet)
-    progress.say(f"nanhunt: diagnosing by experiment: re-running the script (a control, the "
-                 f"experiment ladder, up to {cfg.tries} fixes), {steps} steps each, "
-                 f"{jobs} at a time (--verify 0 turns this off)")
+    progress.say(
+        f"nanhunt: diagnosing by experiment: re-running the script (a control, the experiment "
+        f"ladder, up to {cfg.tries} fixes), {steps} steps each, {jobs} at a time (--verify 0 "
+        "turns this off)" if not silent else
+        f"nanhunt: comparing with float32: re-running the script twice (a control, float32 "
+        f"everywhere), {steps} steps each (--verify 0 turns this off)")
     scratch = out_dir / RERUN_DIR
     shutil.rmtree(scratch, ignore_errors=True)
     start = time.monotonic()
@@ -526,7 +546,22 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         pool.run([rung_task(r) for r in first_rungs(trace)], not_run)
         control_facts(ex, trace)
         control = [e for e in ex.runs if e.rung == "control"]
-        if ex.control_reproduced:
+        if silent:
+            finding = silent_verdict(ex, trace)
+            if finding is not None:
+                if trace.diagnosis is None:
+                    trace.diagnosis = finding
+                trace.problem = True
+            if ex.verdict == "not-precision":  # it diverges in float32 too: the optimizer?
+                rungs = [r for r in next_rungs(trace, ex) if r.name.startswith("lr-")]
+                pool.run([rung_task(r) for r in rungs], not_run)
+                lr = next((e for e in ex.runs if e.rung.startswith("lr-") and
+                           e.outcome == "trained"), None)
+                if lr is not None:
+                    ex.verdict = "optimisation"
+                    ex.verdict_text += f"; a learning rate x{lr.fixes[0].split('=')[1]} " \
+                        "trains: an optimisation failure (the learning rate)"
+        elif ex.control_reproduced:
             rungs = [rung_task(r) for r in next_rungs(trace, ex)]
             fixes: list[_Task] = []
             for rec in candidates:
@@ -546,10 +581,13 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
     if not control:
         ex.note = ("the control did not run (" + ("Ctrl-C" if ex.interrupted else "the budget")
                    + "): the verdict is the rules' alone")
-    classify(ex, trace)
+    if not silent:
+        classify(ex, trace)
     if ex.not_run and not v.note:
         v.note = f"the --budget ({budget:.0f} s) was spent: {len(ex.not_run)} re-run" + \
             ("s" if len(ex.not_run) != 1 else "") + " did not run"
+    if silent:
+        return
     if ex.control_reproduced is False:
         _label_not_reproduced(trace, ex)
         return

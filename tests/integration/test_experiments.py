@@ -25,6 +25,9 @@ def prefetch(cli) -> dict:
         "ffn": cli.submit("diagnose", EXAMPLES / "ffn_overflow.py", verify=True),
         # shared with test_verify_rerun.py (the same command line)
         "zero": cli.submit("diagnose", SCRIPTS / "zero_norm_div.py", verify=True),
+        "silent": cli.submit("diagnose", SCRIPTS / "silent_half_updates.py", verify=True),
+        "healthy": cli.submit("diagnose", SCRIPTS / "precision_paths.py", "--steps", "24",
+                              verify=True),
     }
 
 
@@ -111,3 +114,35 @@ def test_a_zero_division_is_not_precision_specific(runs):
     assert first_nan(run_script(SCRIPTS / "zero_norm_div.py", fixes=["skip-batch=2"])) == 5
     for name in ("control", "fp32", "lr-0.1", "lr-0.01", "skip-batch"):
         assert name in res.text
+
+
+def _losses(lines: list[str]) -> list[float]:
+    return [float(line.split()[-1]) for line in lines]
+
+
+def test_a_run_that_learns_less_than_float32_is_a_silent_precision_failure(runs):
+    res = runs["silent"].result()
+    assert res.code == 1, res.stderr  # never OK: no NaN, but it does not learn
+    report = res.report
+    assert report["first_failure"] is None
+    ex = report["experiments"]
+    assert ex["verdict"] == "silent-precision", ex["verdict_text"]
+    assert report["diagnosis"]["kind"] == "silent_precision"
+    runs_ = _runs(report)
+    assert runs_["control"]["outcome"] == runs_["fp32"]["outcome"] == "trained"
+    # the script's own float32 path is the reference: the fp32 experiment's losses are its
+    script = SCRIPTS / "silent_half_updates.py"
+    fp32 = _losses(run_script(script, ["--fp32"]))
+    assert runs_["fp32"]["losses"] == pytest.approx(fp32, abs=1e-4)  # printed to 4 places
+    half = _losses(run_script(script))
+    assert half[-1] == half[0] and fp32[-1] < 0.8 * fp32[0]  # float16 learns nothing
+    assert "silent precision" in _headline(res)
+
+
+def test_a_healthy_mixed_precision_run_is_compared_and_ok(runs):
+    res = runs["healthy"].result()
+    assert res.code == 0, res.stderr
+    ex = res.report["experiments"]
+    assert ex["verdict"] == "" and ex["verdict_text"].startswith("no silent precision loss")
+    assert {e["rung"] for e in ex["runs"]} == {"control", "fp32"}
+    assert res.report["diagnosis"] is None
