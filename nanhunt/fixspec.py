@@ -171,6 +171,9 @@ class SnippetContext:
     refs: dict[str, str] = field(default_factory=dict)
     source: str | None = None
     source_line: str | None = None
+    #: how the script refers to its optimizer (``opt``, ``self.optimizer``); None when it has
+    #: none (a hand-written update): the optimizer snippets then change the script's own update
+    optimizer: str | None = "optimizer"
 
 
 @dataclass
@@ -309,10 +312,17 @@ def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
         ]))
     if spec.kind == "floor":
         return Snippet(_floor_snippet(spec, ctx))
+    opt = ctx.optimizer
+    if spec.kind == "lr-factor" and opt is None:
+        return Snippet(f"lr = lr * {v}  # the learning rate your own weight update uses")
+    if spec.kind == "clip" and opt is None:
+        return Snippet("import torch\n\n"
+                       f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={v})"
+                       "  # after backward(), before your weight update")
     if spec.kind == "opt-eps":
-        return Snippet(f'for group in optimizer.param_groups:\n    group["eps"] = {v}')
+        return Snippet(f'for group in {opt}.param_groups:\n    group["eps"] = {v}')
     if spec.kind == "lr-factor":
-        return Snippet(f'for group in optimizer.param_groups:\n    group["lr"] *= {v}')
+        return Snippet(f'for group in {opt}.param_groups:\n    group["lr"] *= {v}')
     if spec.kind in ("init-scale", "growth-interval"):
         arg = "init_scale" if spec.kind == "init-scale" else "growth_interval"
         return Snippet(f'scaler = torch.amp.GradScaler("{ctx.device}", {arg}={v})'
@@ -320,11 +330,11 @@ def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
     if spec.kind == "clip":
         lines = ["import torch", ""]
         if ctx.scaler:
-            lines.append("scaler.unscale_(optimizer)  # before scaler.step(optimizer)")
+            lines.append(f"scaler.unscale_({opt})  # before scaler.step({opt})")
         lines += [
-            "params = [p for group in optimizer.param_groups for p in group[\"params\"]]",
+            f"params = [p for group in {opt}.param_groups for p in group[\"params\"]]",
             f"torch.nn.utils.clip_grad_norm_(params, max_norm={v})"
-            + ("" if ctx.scaler else "  # before optimizer.step()"),
+            + ("" if ctx.scaler else f"  # before {opt}.step()"),
         ]
         return Snippet("\n".join(lines))
     if spec.kind == "fp32-all":
@@ -344,7 +354,7 @@ def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
         return Snippet(f"if step == {v}:\n    continue  # skip this batch (or clean it)")
     if spec.kind == "fp32-master":
         return Snippet("masters = {}  # once, after the optimizer is made\n"
-                       "step_with_fp32_master(optimizer, masters)  # instead of optimizer.step()",
+                       f"step_with_fp32_master({opt}, masters)  # instead of {opt}.step()",
                        FP32_MASTER_HELPER)
     raise NanhuntError(f"no snippet for --fix {spec}")
 

@@ -416,6 +416,9 @@ class OptimizerInfo:
     params: int = 0  # parameter tensors it steps
     source: str | None = None  # "train.py:57": where the script calls its step()
     source_line: str | None = None
+    # how the script's code refers to it ("optimizer", "opt", "self.optimizer"); None when no
+    # variable of the script's holds it
+    name: str | None = None
 
 
 @dataclass

@@ -21,6 +21,8 @@ from nanhunt.trace import Recommendation, Trace
 
 __all__ = ["attach_fixes", "ladder", "verify_order"]
 
+#: fixes that act through a torch optimizer
+_OPTIMIZER_KINDS = ("opt-eps", "lr-factor", "clip", "fp32-master")
 #: types a fix spec installs; the others need a code change
 _INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "lower_lr",
                 "fp32_master_weights")
@@ -103,7 +105,29 @@ def context(trace: Trace, rec: Recommendation | None = None) -> SnippetContext:
     same = f is not None and rec is not None and rec.module == f.module
     return SnippetContext(device=_device(trace), low=low, scaler=trace.run.scaler,
                           refs=_refs(trace), source=f.source if same else None,
-                          source_line=f.source_line if same else None)
+                          source_line=f.source_line if same else None,
+                          optimizer=_optimizer_name(trace))
+
+
+def _optimizer_name(trace: Trace) -> str | None:
+    """How the script refers to the optimizer it stepped; None when it stepped none."""
+    if not trace.optimizers:
+        return None
+    return trace.optimizers[0].name or "optimizer"
+
+
+# a name ``optimizer`` in snippet code (not ``self.optimizer``, not ``optimizer_x``)
+_OPTIMIZER = re.compile(r"(?<![\w.])optimizer(?!\w)")
+
+
+def _rename_optimizer(code: str, name: str) -> str:
+    """A snippet written for a variable ``optimizer``, with the script's own name in its code
+    (comments unchanged)."""
+    out = []
+    for line in code.splitlines():
+        body, hash_, comment = line.partition("#")
+        out.append(_OPTIMIZER.sub(name, body) + hash_ + comment)
+    return "\n".join(out)
 
 
 #: recommendation type -> the spec kinds whose value is the recommendation's value
@@ -145,13 +169,24 @@ def set_fix(rec: Recommendation, trace: Trace, specs: list[FixSpec]) -> None:
 
 
 def attach_fixes(trace: Trace) -> None:
-    """Give each recommendation its --fix specs and the snippet those specs stand for."""
+    """Give each recommendation its --fix specs and the snippet those specs stand for. A script
+    with no torch optimizer gets no optimizer fix (--fix would refuse it): its snippet changes
+    the script's own update; the other snippets use the script's name for its optimizer."""
+    name = _optimizer_name(trace)
     for rec in trace.recommendations:
         specs = specs_for(rec, trace) if rec.type in _INSTALLABLE else []
+        if name is None and any(s.kind in _OPTIMIZER_KINDS for s in specs):
+            own = [s for s in specs if s.kind in ("clip", "lr-factor")]
+            if own:
+                snip = snippet(own, context(trace, rec))
+                rec.snippet, rec.helper = snip.code, snip.helper
+            specs = []
         if specs:
             set_fix(rec, trace, specs)
         else:
             rec.fix, rec.code_change = [], True
+            if name not in (None, "optimizer") and rec.snippet:
+                rec.snippet = _rename_optimizer(rec.snippet, name)
 
 
 def verify_order(recs: list[Recommendation]) -> list[Recommendation]:

@@ -8,6 +8,7 @@ import linecache
 import math
 import sys
 import sysconfig
+import types
 from typing import Any
 
 import torch
@@ -174,6 +175,27 @@ def _variable_name(obj: object) -> str | None:
                     if v is obj and k != "self" and not k.startswith("_"):
                         return k
             frame = frame.f_back
+    return None
+
+
+def _variable_path(obj: object) -> str | None:
+    """How the script's module-level code refers to ``obj``: a global of ``__main__``
+    (``optimizer``), else an attribute of one (``trainer.optimizer``). Frames are not searched:
+    reading a running frame's locals keeps them alive in Python 3.11 (the model, after the
+    script dropped it)."""
+    main = sys.modules.get("__main__")
+    names = vars(main) if main else {}
+    for k, v in names.items():
+        if v is obj and not k.startswith("_"):
+            return k
+    for k, v in names.items():
+        if k.startswith("_") or isinstance(v, (type, types.ModuleType, types.FunctionType)):
+            continue
+        attrs = getattr(v, "__dict__", None)
+        if isinstance(attrs, dict):
+            for attr, value in attrs.items():
+                if value is obj and not attr.startswith("_"):
+                    return f"{k}.{attr}"
     return None
 
 

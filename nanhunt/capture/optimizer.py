@@ -13,7 +13,14 @@ import torch
 from torch.optim import optimizer as _O
 
 from nanhunt import stats as _stats
-from nanhunt.capture._util import _foreach_amax, _foreach_norm, _safe, patch, user_frame
+from nanhunt.capture._util import (
+    _foreach_amax,
+    _foreach_norm,
+    _safe,
+    _variable_path,
+    patch,
+    user_frame,
+)
 from nanhunt.capture.state import OptimizerSnapshot, Part, _Meta
 from nanhunt.trace import OptimizerInfo
 
@@ -204,7 +211,8 @@ class OptimizerObserver(Part):
         self.s.optimizer_infos[id(optimizer)] = OptimizerInfo(
             type=type(optimizer).__name__, lr=number("lr"), eps=number("eps"),
             param_dtypes=sorted({str(p.dtype).removeprefix("torch.") for p in params}),
-            params=len(params), source=source, source_line=line or None)
+            params=len(params), source=source, source_line=line or None,
+            name=_variable_path(optimizer))
 
     def _after_update(self, optimizer: Any) -> bool:
         """optimizer.step() after scaler.update(), before any forward or backward of the next

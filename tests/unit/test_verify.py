@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,42 @@ def test_a_crashed_rerun_says_it_crashed_not_that_the_scaler_skipped():
     t = judge(_original(), late, 9, exit_code=3)
     assert not t.verified and t.reason == "the re-run crashed after 9 steps: RuntimeError: boom"
     assert "no training step" in judge(_original(), _rerun([]), 9, exit_code=0).reason
+
+
+def _clip_and_lr_trace(optimizers):
+    from nanhunt.trace import OptimizerInfo
+
+    t = _original()
+    t.optimizers = [OptimizerInfo(type="AdamW", name=n) for n in optimizers]
+    t.recommendations = [
+        Recommendation("clip_grad_norm", 1.0, "optimizer.step()  # written for `optimizer`"),
+        Recommendation("lower_lr", 0.1, ""),
+        Recommendation("normalize_input", {}, "scaler.step(optimizer)\noptimizer.zero_grad()"),
+    ]
+    return t
+
+
+def test_snippets_use_the_scripts_own_name_for_its_optimizer():
+    # minGPT's trainer steps self.optimizer: a snippet naming `optimizer` names nothing there
+    t = _clip_and_lr_trace(["self.optimizer"])
+    attach_fixes(t)
+    clip, lr, other = t.recommendations
+    assert clip.fix == ["clip=1"] and "for group in self.optimizer.param_groups" in clip.snippet
+    assert lr.fix == ["lr-factor=0.1"] and lr.snippet.startswith(
+        "for group in self.optimizer.param_groups:")
+    assert other.snippet == "scaler.step(self.optimizer)\nself.optimizer.zero_grad()"
+    unnamed = _clip_and_lr_trace([None])  # stepped, but held by no variable of the script's
+    attach_fixes(unnamed)
+    assert "for group in optimizer.param_groups" in unnamed.recommendations[0].snippet
+
+
+def test_a_script_without_an_optimizer_gets_no_optimizer_fix():
+    # pytorch/examples' word_language_model updates its weights by hand (p.data.add_)
+    t = _clip_and_lr_trace([])
+    attach_fixes(t)
+    clip, lr, _ = t.recommendations
+    for rec in (clip, lr):
+        assert rec.fix == [] and rec.code_change
+        assert re.search(r"(?<![\w.])optimizer(?!\w)", rec.snippet) is None, rec.snippet
+    assert "clip_grad_norm_(model.parameters(), max_norm=1)" in clip.snippet
+    assert lr.snippet.startswith("lr = lr * 0.1")
