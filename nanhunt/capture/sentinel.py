@@ -169,7 +169,12 @@ class Sentinel(Session):
         try:
             while self._pending:
                 trip = self._pending.pop(0)
+                errors = len(self.internal_errors)
                 self._guard(self._analyse, trip)
+                if len(self.internal_errors) > errors and not self._diagnosed:
+                    # a bug of ours in the analysis: still the report of what was recorded,
+                    # with the error in its notes
+                    self._guard(self.finish)
         finally:
             self._analysing = False
             self._tripped = False
@@ -419,11 +424,13 @@ class Sentinel(Session):
         """The failing step is diagnosed: the analyst writes the reports (with ``out``)."""
         self._diagnosed = True
         if self.report and self.analyst is not None:
-            self._active = False  # the analysis replays modules: our hooks stand aside
+            # the analysis replays modules: our hooks stand aside (and stay off after an
+            # internal error)
+            was, self._active = self._active, False
             try:
                 self.analyst.report(self)
             finally:
-                self._active = True
+                self._active = was
 
     # -- the result -------------------------------------------------------------------------
 

@@ -122,7 +122,7 @@ def _handover(sentinel: Any) -> Any:
     """The sentinel stands aside (its hooks do nothing) while the replay's Hunt is the active
     session, under the replay contract; everything is given back afterwards, also when the
     replay fails."""
-    sentinel._active = False
+    was, sentinel._active = sentinel._active, False
     with _session._LOCK:
         _session._ACTIVE = None
     try:
@@ -131,7 +131,7 @@ def _handover(sentinel: Any) -> Any:
     finally:
         with _session._LOCK:
             _session._ACTIVE = sentinel
-        sentinel._active = True
+        sentinel._active = was
 
 
 def replay_step(sentinel: Any, keep: StepKeep, held: Held | None, *, collapse: bool,

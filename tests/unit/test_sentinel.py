@@ -472,3 +472,20 @@ def test_a_replay_over_the_copy_cap_is_refused_and_said(tmp_path, monkeypatch):
     assert report["diagnosis"]["rule"] == "untraced-step" and report["diagnosis"]["kind"] == ""
     assert "not replayed" in report["diagnosis"]["message"]
     assert [repr(x) for x in losses] == [repr(x) for x in plain_losses]
+
+
+def test_a_bug_in_the_analysis_still_writes_the_report(tmp_path, monkeypatch):
+    from nanhunt.replay import step
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated bug in the replay")
+
+    monkeypatch.setattr(step, "replay_step", broken)
+    out = tmp_path / "report"
+    _, plain_losses, _, _ = _seeded_loop(scaled=True)
+    sent, losses, _, _ = _seeded_loop(lambda m, o, s: nanhunt.sentinel(m, o, s, out=out),
+                                      scaled=True)
+    assert sent.internal_errors and "simulated bug in the replay" in sent.internal_errors[0]
+    report = json.loads((out / "report.json").read_text())
+    assert any("simulated bug in the replay" in n for n in report["notes"])
+    assert [repr(x) for x in losses] == [repr(x) for x in plain_losses]
