@@ -206,8 +206,8 @@ def _cast(x, dtype):
 
 
 def run_in_float32(model, pattern, cast_back=None, device="{device}"):
-    """Run submodules named like `pattern` (not those inside one) in float32
-    with autocast off; cast a tensor output to `cast_back` (None: float32)."""
+    """Run submodules named like `pattern` (not those inside one) in float32,
+    autocast off; cast a tensor output to `cast_back` (None: float32)."""
     names = [n for n, _ in model.named_modules()
              if fnmatch.fnmatchcase(n, pattern)]
     for name in names:
