@@ -475,6 +475,14 @@ class Session:
         notes = [f"nanhunt stopped tracing after an internal error: {e}"
                  for e in self.internal_errors]
         compiled = sorted(getattr(getattr(self, "modules", None), "compiled", ()))
+        hooks = list(getattr(getattr(self, "modules", None), "comm_hooks", ()))
+        if hooks:
+            notes.append(
+                f"DDP communication hook {', '.join(hooks)}: nanhunt records each gradient as "
+                "it accumulates, before the hook's reduction, and does not observe the "
+                "reduction; a gradient first non-finite at the optimizer step, from finite "
+                "local gradients, may have been made by it (a float16 compression overflows "
+                "above 65504; bf16_compress_hook or no hook avoids that)")
         if compiled:
             notes.append(
                 f"compiled with torch.compile, seen only at the boundary: {', '.join(compiled)} "

@@ -492,3 +492,16 @@ def test_no_sync_micro_batches_belong_to_their_step(tmp_path):
         proc.stderr
     assert [(r["rank"], len(r["steps"])) for r in report["ranks"]] == [(0, 3), (1, 3)]
     assert report["ranks"][1]["first_failure"]["step"] == 2
+
+
+@pytest.mark.slow
+def test_a_compression_hook_is_named_where_its_reduction_is_not_observed(tmp_path):
+    """fp16_compress_hook overflows the all-reduced gradients at step 2. nanhunt does not observe
+    the reduction yet (no communication phase): the report must name the hook and say so."""
+    proc = _run(_torchrun("--quiet", "--out", "out", str(SCRIPTS / "ddp_comm_hook.py")),
+                tmp_path)
+    report = _report(tmp_path / "out")
+    ff = report["first_failure"]
+    assert (ff["step"], ff["phase"]) == (2, "optimizer"), proc.stderr
+    note = next(n for n in report["notes"] if n.startswith("DDP communication hook"))
+    assert "fp16_compress_hook" in note and "does not observe the reduction" in note

@@ -1,0 +1,43 @@
+"""DDP with fp16_compress_hook (gloo, CPU, 2 ranks under torchrun): at step 2 the gradients are
+finite in float32 on each rank but exceed float16's max, so the compressed all-reduce makes
+them inf. --hook none / bf16 is the fix. Prints ``rank R step S loss X``."""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hook", choices=["fp16", "bf16", "none"], default="fp16")
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+        if args.hook != "none":
+            hook = default_hooks.fp16_compress_hook if args.hook == "fp16" else \
+                default_hooks.bf16_compress_hook
+            model.register_comm_hook(None, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+        for step in range(args.steps):
+            g = torch.Generator().manual_seed(10 * rank + step)
+            big = step == 2  # gradients far beyond 65504, finite in float32
+            x = torch.randn(16, 4, generator=g) * (300.0 if big else 1.0)
+            loss = model(x).pow(2).mean() * (1e3 if big else 1.0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
