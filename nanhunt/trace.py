@@ -27,12 +27,14 @@ __all__ = [
     "Failure",
     "Finding",
     "FixTry",
+    "GroupSignal",
     "InputRange",
     "LayerStats",
     "LayerStep",
     "LoopCall",
     "OpRecord",
     "OptimizerInfo",
+    "ParamGroupInfo",
     "PrecisionAudit",
     "PrecisionLayer",
     "PrecisionLoss",
@@ -40,6 +42,7 @@ __all__ = [
     "Recommendation",
     "RunInfo",
     "ScalerEvent",
+    "SignalStep",
     "StepRecord",
     "TensorRecord",
     "TensorStats",
@@ -201,6 +204,9 @@ class LayerStats:
     param_grad_amax_by_step: dict[int, float] = field(default_factory=dict)
     grad_cast: CastCounts | None = None  # its output gradient at a cast to a narrower format
     params: int = 0  # elements of its own parameters (not its children's)
+    # largest finite |input| of a softmax called in its own forward (attention scores before
+    # softmax), by step; full tracing only
+    logit_amax_by_step: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -448,6 +454,50 @@ class Crash:
 
 
 @dataclass
+class GroupSignal:
+    """One optimizer param group at one applied step: the signals nanhunt measures every step
+    (full tracing and the sentinel; docs/report-schema.md). Norms are L2 over the group's
+    floating dense parameters that had a gradient."""
+
+    group: str  # ParamGroupInfo.name: "Adam[0]" (the optimizer's class and the group's index)
+    weight_norm: float | None = None  # after the update
+    update_norm: float | None = None  # of what the update changed (after - before)
+    grad_norm: float | None = None  # of the gradients it stepped on (unscaled)
+    unchanged: float | None = None  # fraction of its elements the update left exactly as they were
+    moment2_max: float | None = None  # largest second-moment estimate (Adam's exp_avg_sq)
+    moment2_mean: float | None = None  # its mean
+    lr: float | None = None  # the group's lr at this step
+
+    @property
+    def update_ratio(self) -> float | None:
+        """The update's norm over the weights' norm (Karpathy's update-to-weight ratio)."""
+        if self.update_norm is None or not self.weight_norm:
+            return None
+        return self.update_norm / self.weight_norm
+
+
+@dataclass
+class SignalStep:
+    """The per-group signals of one applied step (steps GradScaler skipped have none)."""
+
+    step: int
+    groups: list[GroupSignal] = field(default_factory=list)
+
+
+@dataclass
+class ParamGroupInfo:
+    """An optimizer param group the signals name."""
+
+    name: str  # "Adam[0]"; "Adam#2[0]" for the second optimizer of the same class
+    optimizer: str  # class name
+    index: int  # position in optimizer.param_groups
+    tensors: int = 0  # parameter tensors
+    elements: int = 0
+    dtypes: list[str] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)  # the modules owning its parameters
+
+
+@dataclass
 class RankSummary:
     """One rank of a distributed run, as the merged report on rank 0 saw it."""
 
@@ -599,6 +649,9 @@ class Trace:
     precision: PrecisionAudit | None = None  # nanhunt audit: per-layer accuracy in a format
     verification: Verification | None = None  # re-run verification, when it ran
     experiments: Experiments | None = None  # the experiment ladder (diagnosis by re-run)
+    # per applied step, each optimizer param group's weight, update and gradient norms
+    signals: list[SignalStep] = field(default_factory=list)
+    param_groups: list[ParamGroupInfo] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     @property

@@ -16,9 +16,11 @@ from nanhunt.capture.state import _LayerAcc, _merge_rows, _Meta, _StepData
 from nanhunt.formats import NumberFormat
 from nanhunt.trace import (
     CastCounts,
+    GroupSignal,
     LayerStats,
     LayerStep,
     ScalerEvent,
+    SignalStep,
     StepRecord,
     TensorRecord,
     TensorStats,
@@ -59,6 +61,10 @@ class Recorder:
         self.grad_hist: dict[str, np.ndarray] = {}
         # module -> CastCounts of its output gradient at a down-cast, over the recorded steps
         self.casts: dict[str, CastCounts] = {}
+        # signals (capture/signals.py): step -> param group -> name -> value, and module ->
+        # step -> largest softmax input
+        self.signals: dict[int, dict[str, dict[str, float]]] = {}
+        self.softmax_amax: dict[str, dict[int, float]] = {}
 
     def begin_step(self, step: int) -> None:
         """Rows still queued from the last step stay; the flushed ones are dropped."""
@@ -76,10 +82,28 @@ class Recorder:
         self.dtypes.add(meta.dtype)
         return len(self.metas) - 1
 
-    def scalar(self, value: torch.Tensor, key: str) -> None:
-        """A device scalar of the step now recorded (loss, scale, found_inf, gradient norm)."""
+    def scalar(self, value: torch.Tensor, key: str, step: int | None = None) -> None:
+        """A device scalar of the step now recorded (loss, scale, found_inf, gradient norm), or
+        of ``step`` (a signal measured after the step ended)."""
         self.pending_scalars.append(value.detach().reshape(-1)[:1].double())
-        self.pending_scalar_keys.append((self.step, key))
+        self.pending_scalar_keys.append((self.step if step is None else step, key))
+
+    def signal_value(self, step: int, group: str, name: str, value: float) -> None:
+        """A signal known on the host (a param group's lr)."""
+        by_step = self.signals.get(step)
+        if by_step is None:
+            by_step = self.signals[step] = {}
+            if len(self.signals) > HISTORY:
+                del self.signals[min(self.signals)]
+        by_step.setdefault(group, {})[name] = value
+
+    def signal_steps(self) -> list[SignalStep]:
+        """The per-group signals by step (capture/signals.py), oldest first."""
+        fields = ("weight_norm", "update_norm", "grad_norm", "unchanged", "moment2_max",
+                  "moment2_mean", "lr")
+        return [SignalStep(step, [GroupSignal(group=g, **{k: v.get(k) for k in fields})
+                                  for g, v in groups.items()])
+                for step, groups in sorted(self.signals.items())]
 
     def cast_counts(self, owner: str, numel: int, counts: torch.Tensor, source_dtype: str,
                     dtype: str) -> None:
@@ -149,6 +173,9 @@ class Recorder:
         touched: dict[int, _StepData] = {}
         new = metas
         for (step, key), value in scalars:
+            if key.startswith(("sig\0", "smax\0")):  # signals: no step record to redo
+                self._signal(step, key, float(value))
+                continue
             d = touched.get(step) or touched.setdefault(step, self.data_for(step))
             if key == "loss":
                 # several backwards in one step (gradient accumulation): the last loss, but a
@@ -186,6 +213,16 @@ class Recorder:
                                                         and d.found_inf and d.problem is None):
                 # (gradients of a step GradScaler skipped overflowed on purpose: not a range)
                 self.accumulate(meta, row, d)
+
+    def _signal(self, step: int, key: str, value: float) -> None:
+        if key.startswith("smax\0"):
+            by_step = self.softmax_amax.setdefault(key[5:], {})
+            by_step[step] = max(by_step.get(step, 0.0), value)
+            return
+        _, group, name, how = key.split("\0")
+        if how == "sqrt":  # a sum of squares
+            value = math.sqrt(value) if value >= 0 else math.nan
+        self.signal_value(step, group, name, value)
 
     def accumulate(self, meta: _Meta, row: np.ndarray, d: _StepData) -> None:
         if meta.approx is not None and meta.role != "param":
@@ -278,7 +315,7 @@ class Recorder:
     def prune_history(self, oldest: int) -> None:
         for acc in self.accs.values():
             for by_step in (acc.fwd_by_step, acc.bwd_by_step, acc.param_by_step,
-                            acc.pgrad_by_step):
+                            acc.pgrad_by_step, self.softmax_amax.get(acc.module, {})):
                 for k in [k for k in by_step if k < oldest]:
                     del by_step[k]
 
@@ -333,6 +370,7 @@ class Recorder:
             param_amax_by_step=dict(acc.param_by_step),
             param_grad_amax_by_step=dict(acc.pgrad_by_step),
             grad_cast=copy.copy(self.casts.get(acc.module)),
+            logit_amax_by_step=dict(self.softmax_amax.get(acc.module, {})),
         )
 
     def records(self, step: int | None = None) -> list[TensorRecord]:

@@ -121,7 +121,8 @@ class Sentinel(Session):
         self.kept_bytes = 0  # what the kept references held at the failing step
 
     def _observers(self) -> list[Any]:
-        return [self.roots, self.loss, self.scaler_obs, self.grads, self.optimizer_obs]
+        return [self.roots, self.loss, self.scaler_obs, self.grads, self.signals,
+                self.optimizer_obs]
 
     def _step_begun(self) -> None:
         if self._optimizer_ran_step == self._step - 1:

@@ -35,6 +35,7 @@ from nanhunt.capture.naming import Naming
 from nanhunt.capture.optimizer import OptimizerObserver
 from nanhunt.capture.recorder import Recorder
 from nanhunt.capture.scaler import ScalerObserver
+from nanhunt.capture.signals import SignalObserver
 from nanhunt.capture.snapshot import Snapshots
 from nanhunt.capture.state import OptimizerSnapshot, Snapshot, StepState, _StepData
 from nanhunt.errors import NanhuntError
@@ -122,6 +123,7 @@ class Session:
         self.loss = LossObserver(self)
         self.scaler_obs = ScalerObserver(self)
         self.optimizer_obs = OptimizerObserver(self)
+        self.signals = SignalObserver(self)
         self.snapshots = Snapshots(self)
         self._compose()
         self.internal_errors: list[str] = []
@@ -165,7 +167,9 @@ class Session:
 
     def _observers(self) -> list[Any]:
         """The parts whose hooks :meth:`start` installs, in order."""
-        return [self.loss, self.scaler_obs, self.optimizer_obs]
+        # (the optimizer observer's pre-hook last: a sentinel's replay runs inside it and
+        # installs hooks of its own, which no global hook may follow in that step's iteration)
+        return [self.loss, self.scaler_obs, self.signals, self.optimizer_obs]
 
     def _begin_step_state(self) -> None:
         self.cur = StepState(self.keep_tensors)
@@ -510,6 +514,8 @@ class Session:
             optimizers=copy.deepcopy(list(self.optimizer_infos.values())),
             loop_calls=copy.deepcopy(list(self.loop_calls.values())),
             crash=copy.deepcopy(self.crash),
+            signals=self.recorder.signal_steps(),
+            param_groups=copy.deepcopy(list(self.signals.groups.values())),
         )
 
 
@@ -546,6 +552,7 @@ class Hunt(Session):
     def _compose(self) -> None:
         self.modules = ModuleObserver(self)
         self.autograd = AutogradObserver(self)
+        self.signals.softmax = True  # attention logits: softmax inputs inside traced modules
         self.naming.on_param = self.autograd.hook_param
         if self.keep_tensors:  # a skipped step's culprit can be replayed without the scale
             self.judge.probe = self.snapshots.probe_unscaled

@@ -174,5 +174,5 @@ def diagnose(trace: Trace, *, strict: bool = False, thresholds: Thresholds | Non
 # failing module's arithmetic (the loop, crashes, vanished eps, unnormalised input)
 # isort: off
 from nanhunt.analyse.diagnose import classify, failures, growth, risks  # noqa: E402,F401
-from nanhunt.analyse.diagnose import causes  # noqa: E402,F401
+from nanhunt.analyse.diagnose import causes, curves  # noqa: E402,F401
 # isort: on

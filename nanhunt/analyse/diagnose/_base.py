@@ -21,6 +21,7 @@ KINDS = (
     "exploding_gradient",
     "lr_too_high",
     "loss_scale",
+    "logit_growth",
 )
 
 #: Which error explains the first failure when several rules fire, first match wins. Root causes
@@ -40,6 +41,12 @@ PRECEDENCE = (
     "forward-nan-op",
     "backward-nan-op",
     "norm-underflow",
+    # failures without a NaN (curves.py): errors only while every value is finite, explained by
+    # the signal that moved first
+    "loss-stall",
+    "logit-growth",
+    "loss-divergence",
+    "loss-spike",
     "weight-growth",
     "exploding-gradient",
     "forward-overflow",
@@ -49,7 +56,8 @@ PRECEDENCE = (
 
 #: Rules whose errors are the diagnosis even when no value went non-finite.
 ALWAYS_PRIMARY = ("scaler-crash", "range-constant", "scaler-misuse", "exploding-gradient",
-                  "skip-streak", "weight-growth")
+                  "skip-streak", "weight-growth", "logit-growth", "loss-divergence", "loss-spike",
+                  "loss-stall")
 
 #: Errors a primary diagnosis explains: they are its consequences, not warnings of their own
 #: (a misused GradScaler makes updates that look like a learning rate too high).

@@ -343,6 +343,24 @@ def scale_too_low(trace: Trace, ctx: Context) -> Iterator[Finding]:
     )
 
 
+def unexplained_backoffs(events: list, after: float) -> list:
+    """The backoffs after step ``after`` that take the scale below every level it held since
+    then: each growth is GradScaler probing one binade up, and the skip it may cost brings the
+    scale back to a level that was safe, at any growth_interval and however many clean steps
+    the overflow waited for. Backoffs beyond the growths are the gradients outgrowing a scale
+    that had fit: the scale's largest net fall, in binades, counts them."""
+    level = low = 0
+    out = []
+    for e in sorted(events, key=lambda e: e.step):
+        if e.step < after:
+            continue
+        level += 1 if e.event == "growth" else -1
+        if e.event == "backoff" and level < low:
+            low = level
+            out.append(e)
+    return out
+
+
 @rule(id="scale-backoff", kind="loss_scale", needs=("scaler", "steps"))
 def scale_backoff(trace: Trace, ctx: Context) -> Iterator[Finding]:
     """GradScaler keeps backing off after its warm-up, or is still skipping at the end."""
@@ -361,20 +379,15 @@ def scale_backoff(trace: Trace, ctx: Context) -> Iterator[Finding]:
     events = sorted(
         (e for e in trace.scaler_events if ctx.before_failure(e.step)), key=lambda e: e.step
     )
-    trouble = []
-    for i, e in enumerate(events):
-        if e.event != "backoff" or e.step < after:
-            continue
-        if i > 0 and events[i - 1].event == "growth":
-            continue  # a growth attempt that overflowed: how GradScaler probes
-        trouble.append(e)
+    trouble = unexplained_backoffs(events, after)
     tail = 0
     while tail < len(steps) and steps[-1 - tail].skipped:
         tail += 1
     evidence = []
     if trouble:
         shown = ", ".join(str(e.step) for e in trouble[:8])
-        evidence.append(f"backoffs not preceded by a growth at steps {shown}")
+        evidence.append(f"backoffs that took the scale below every level it held after "
+                        f"warm-up, at steps {shown}")
     if events:
         now = ctx.current_scale() or steps[-1].scale
         span = _span([(s.index, 0.0) for s in steps])
@@ -402,8 +415,8 @@ def scale_backoff(trace: Trace, ctx: Context) -> Iterator[Finding]:
     elif len(trouble) >= ctx.th.backoffs:
         yield _finding(
             "warning",
-            f"the loss scale backed off {len(trouble)} times after "
-            "warm-up without a growth attempt to explain it",
+            f"the loss scale backed off {len(trouble)} times more than it grew after "
+            "warm-up: the gradients outgrew a scale that had fit",
             evidence,
             phase="loss_scaling",
             step=trouble[0].step,
@@ -428,10 +441,10 @@ def skip_streak(trace: Trace, ctx: Context) -> Iterator[Finding]:
     calib = 0
     while calib < len(steps) and steps[calib].skipped:
         calib += 1
-    growth_steps = {e.step for e in trace.scaler_events if e.event == "growth"}
-    # skips after calibration that no growth attempt explains
-    later = [s for i, s in enumerate(steps[calib:], calib)
-             if s.skipped and not (i > 0 and steps[i - 1].index in growth_steps)]
+    # skips after calibration that GradScaler's own growth does not explain
+    after = steps[calib].index if calib < len(steps) else math.inf
+    later = unexplained_backoffs([e for e in trace.scaler_events if ctx.before_failure(e.step)],
+                                 after)
     sched = [s for i, s in enumerate(steps[:-1])
              if s.skipped and s.lr is not None and steps[i + 1].lr is not None
              and steps[i + 1].lr != s.lr]
@@ -477,8 +490,9 @@ def skip_streak(trace: Trace, ctx: Context) -> Iterator[Finding]:
                     "warm-up was spent on updates that never happened (torch warns "
                     "\"lr_scheduler.step() before optimizer.step()\")")
     if len(later) >= ctx.th.backoffs:
-        harm.append(f"{len(later)} skips after the scale calibrated, not explained by a "
-                    "growth attempt")
+        harm.append(f"{len(later)} skips after the scale calibrated took it below every "
+                    "level it had held (backoffs beyond its growths: the gradients outgrew "
+                    "a scale that had fit)")
     if calib == len(steps) and calib >= 5:
         harm.append(f"every one of the {calib} steps was skipped: no update was applied (the "
                     f"scale fell from {steps[0].scale:g} to {steps[-1].scale:g} and the gradients "
@@ -514,37 +528,6 @@ def skip_streak(trace: Trace, ctx: Context) -> Iterator[Finding]:
             score=4.0,
             data=data,
         )
-
-
-@rule(id="loss-spike", kind="lr_too_high", needs=("loss",))
-def loss_spike(trace: Trace, ctx: Context) -> Iterator[Finding]:
-    """A finite loss far above the median of the steps before it."""
-    th = ctx.th
-    losses = [
-        (s.index, s.loss) for s in ctx.clean_steps() if s.loss is not None and math.isfinite(s.loss)
-    ]
-    worst = None
-    for i in range(3, len(losses)):
-        prev = [v for _, v in losses[max(0, i - th.window) : i]]
-        med = statistics.median(prev)
-        ratio = losses[i][1] / med if med > 0 else 0.0
-        if ratio >= th.loss_spike and (worst is None or ratio > worst[2]):
-            worst = (losses[i][0], losses[i][1], ratio, med, len(prev))
-    if worst is None:
-        return
-    step, value, ratio, med, n = worst
-    evidence = [f"loss {_n(value)} at step {step}; median of the {n} steps before {_n(med)}"]
-    rec = ctx.steps.get(step)
-    if rec is not None and _finite_pos(rec.grad_norm):
-        evidence.append(f"gradient norm at step {step}: {_n(rec.grad_norm)}")
-    yield _finding(
-        "warning",
-        f"the loss spiked to {ratio:.3g}x its recent median at step {step}",
-        evidence,
-        step=step,
-        score=min(8.0, 4.0 + math.log10(ratio)),
-        data={"ratio": ratio},
-    )
 
 
 @rule(id="input-range-shift", kind="bad_input", needs=("layers",))

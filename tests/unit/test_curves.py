@@ -1,0 +1,235 @@
+"""Failures without a NaN (nanhunt/analyse/diagnose/curves.py) on hand-built traces, and
+GradScaler's growth-then-backoff cycle judged on a simulated scaler (risks.py)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from nanhunt.analyse.diagnose import curves, diagnose
+from nanhunt.trace import (
+    GroupSignal,
+    LayerStats,
+    ParamGroupInfo,
+    RunInfo,
+    ScalerEvent,
+    SignalStep,
+    StepRecord,
+    Trace,
+)
+
+
+def trace_of(losses, *, layers=(), signals=(), groups=(), scale=None, skipped=(), events=()):
+    steps = [StepRecord(index=i, loss=v, grad_norm=1.0, skipped=i in skipped,
+                        scale=scale[i] if scale else None) for i, v in enumerate(losses)]
+    t = Trace(run=RunInfo(target="float32", scaler=bool(scale)), steps=steps,
+              layers=list(layers), signals=list(signals), param_groups=list(groups),
+              scaler_events=list(events))
+    diagnose(t, strict=True)
+    return t
+
+
+def lay(name, type_="Linear", *, fwd=(), logits=(), params=10):
+    return LayerStats(module=name, type=type_, calls=len(fwd), params=params,
+                      forward_amax_by_step=dict(enumerate(fwd)),
+                      logit_amax_by_step=dict(enumerate(logits)))
+
+
+def falling(n, start=3.0, rate=0.05, noise=0.02, seed=0):
+    rng = random.Random(seed)
+    return [start * math.exp(-rate * i) * (1 + noise * rng.uniform(-1, 1)) for i in range(n)]
+
+
+def by_rule(t, rule):
+    found = [f for f in [t.diagnosis, *t.warnings] if f is not None and f.rule == rule]
+    return found
+
+
+# ----------------------------------------------------------------------------- healthy curves
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_falling_noisy_loss_is_quiet(seed):
+    t = trace_of(falling(60, noise=0.1, seed=seed))
+    assert t.diagnosis is None
+    assert not by_rule(t, "loss-spike")
+
+
+def test_warmup_transient_is_quiet():
+    # the loss rises for three steps while the lr warms up, then falls below where it started
+    losses = [2.0, 2.4, 2.7, 2.9, 2.5, 2.1, *falling(30, start=1.9)]
+    t = trace_of(losses)
+    assert t.diagnosis is None
+
+
+def test_cosine_restarts_are_quiet():
+    # a saw-tooth: each restart lifts the loss back, never near the start and never 2x its
+    # recent median
+    losses = []
+    for cycle in range(5):
+        losses += [1.0 / (1 + cycle) + 0.4 * math.cos(math.pi * i / 10) ** 2 for i in range(10)]
+    t = trace_of([3.0, 2.5, 2.0, *losses])
+    assert t.diagnosis is None
+
+
+def test_a_spike_that_recovers_is_a_warning_with_its_step():
+    losses = falling(30)
+    losses[15] *= 6
+    t = trace_of(losses)
+    assert t.diagnosis is None
+    (w,) = by_rule(t, "loss-spike")
+    assert (w.severity, w.step, w.data["recovered"]) == ("warning", 15, 16)
+    assert "recovered by itself at step 16" in w.message
+
+
+def test_a_spike_at_the_end_says_recovery_was_not_observed():
+    losses = falling(30)
+    losses[27:] = [v * 8 for v in losses[27:]]
+    t = trace_of(losses)
+    (w,) = by_rule(t, "loss-spike")
+    assert w.severity == "warning" and w.step == 27
+    assert "before nanhunt could see whether it recovers" in w.message
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def test_a_spike_that_does_not_recover_is_an_error_naming_the_first_mover():
+    n = 30
+    losses = falling(12) + [v * 3 for v in falling(n - 12, start=3.0 * math.exp(-0.6))]
+    # blocks.1.attn's attention logits move at step 9, before the loss spikes at 12; the
+    # output layer's output moves only at 11
+    layers = [
+        lay("emb", "Embedding", fwd=[1.0] * n),
+        lay("blocks.0.attn", "Attention", fwd=[1.0] * n, logits=[1.5] * n, params=0),
+        lay("blocks.1.attn", "Attention", fwd=[1.0] * n, params=0,
+            logits=[1.6] * 9 + [40.0, 300.0, 3e4] + [3e4] * (n - 12)),
+        lay("head", fwd=[2.0] * 11 + [20.0] * (n - 11)),
+    ]
+    t = trace_of(losses, layers=layers)
+    d = t.diagnosis
+    assert d is not None and d.severity == "error"
+    assert d.rule in ("loss-spike", "logit-growth")
+    assert (d.kind, d.module) == ("logit_growth", "blocks.1.attn")
+    spike = by_rule(t, "loss-spike")[0]
+    assert spike.step == 12 and spike.data["recovered"] is None
+    assert "grew from 1.6 (step 0) to 3e+04" in " ".join(spike.evidence)
+
+
+def test_divergence_is_an_error_and_the_update_ratio_names_the_group():
+    n = 20
+    losses = [2.0, 1.9, 1.8] + [1.8 * 1.3**i for i in range(1, n - 2)]
+    signals = [SignalStep(i, [GroupSignal("Adam[0]", weight_norm=10.0, update_norm=0.01, lr=1e-3),
+                              GroupSignal("Adam[1]", weight_norm=2.0, update_norm=1.0, lr=1.0)])
+               for i in range(n)]
+    t = trace_of(losses, signals=signals)
+    d = t.diagnosis
+    assert (d.rule, d.kind, d.severity) == ("loss-divergence", "lr_too_high", "error")
+    assert d.data["group"] == "Adam[1]" and d.data["update_ratio"] == pytest.approx(0.5)
+    assert d.data["onset"] == 4  # 1.8 * 1.3**2 = 3.04 >= 1.5 * 1.8 first at step 4
+
+
+def test_the_whole_model_moving_at_once_is_the_learning_rate():
+    n = 12
+    losses = [3.0] + [30.0 + i for i in range(n - 1)]
+    layers = [lay(f"l{i}", fwd=[1.0] + [50.0] * (n - 1)) for i in range(4)]
+    layers[1].logit_amax_by_step = {i: (1.0 if i == 0 else 500.0) for i in range(n)}
+    t = trace_of(losses, layers=layers)
+    d = t.diagnosis
+    assert (d.rule, d.kind, d.module) == ("loss-divergence", "lr_too_high", None)
+    assert any("4 of the 4 modules with weights" in e for e in d.evidence)
+    assert by_rule(t, "logit-growth")[0].severity == "warning"
+
+
+def test_output_logit_growth_names_the_head():
+    n = 20
+    layers = [lay("body", fwd=[1.0] * n), lay("norm", "LayerNorm", fwd=[1.0] * n),
+              lay("head", fwd=[2.0, 2.0, 2.5] + [150.0 + i for i in range(n - 3)]),
+              lay("model", "Net", fwd=[2.0, 2.0, 2.5] + [150.0 + i for i in range(n - 3)],
+                  params=0)]
+    t = trace_of(falling(n), layers=layers)
+    d = t.diagnosis
+    assert (d.rule, d.kind, d.module) == ("logit-growth", "logit_growth", "head")
+    assert d.data["signal"] == "output_logit" and d.step == 3
+
+
+def test_healthy_logits_in_the_tens_are_quiet():
+    n = 20
+    layers = [lay("attn", "Attention", fwd=[1.0] * n, logits=[1.5 + i for i in range(n)]),
+              lay("head", fwd=[2.0 + i for i in range(n)])]
+    t = trace_of(falling(n), layers=layers)
+    assert t.diagnosis is None and not by_rule(t, "logit-growth")
+
+
+def _stall_signals(dtype, unchanged):
+    sig = [SignalStep(i, [GroupSignal("Adam[0]", weight_norm=5.0, update_norm=0.001,
+                                      unchanged=unchanged)]) for i in range(10)]
+    return sig, [ParamGroupInfo("Adam[0]", "Adam", 0, tensors=4, elements=1000, dtypes=[dtype])]
+
+
+def test_updates_that_round_away_in_bfloat16_are_a_stall():
+    sig, groups = _stall_signals("bfloat16", 0.9)
+    t = trace_of(falling(10, rate=0.001), signals=sig, groups=groups)
+    d = t.diagnosis
+    assert (d.rule, d.kind, d.data["group"]) == ("loss-stall", "underflow", "Adam[0]")
+    assert d.data["unchanged"] == pytest.approx(0.9)
+
+
+def test_unchanged_float32_weights_are_no_stall():
+    sig, groups = _stall_signals("float32", 0.9)  # (frozen rows of an embedding, say)
+    assert trace_of(falling(10), signals=sig, groups=groups).diagnosis is None
+    sig, groups = _stall_signals("bfloat16", 0.1)
+    assert trace_of(falling(10), signals=sig, groups=groups).diagnosis is None
+
+
+def test_stall_against_a_float32_reference():
+    t = trace_of([3.0, 2.9, 2.85, 2.8, 2.8])
+    ref = [(i, v) for i, v in enumerate([3.0, 2.5, 2.0, 1.6, 1.3])]
+    f = curves.stall_against(t, ref, noise=0.1)
+    assert (f.rule, f.kind, f.severity) == ("loss-stall", "underflow", "error")
+    assert f.data["gap"] == pytest.approx(1.5)
+    assert curves.stall_against(t, ref, noise=2.0) is None
+
+
+# ----------------------------------------------------------------------------- GradScaler
+
+
+def simulate_scaler(grad_amax, growth_interval, init_scale=2.0**16, fmax=65504.0):
+    """torch.amp.GradScaler's update rule on a series of unscaled gradient maxima: a step whose
+    scaled maximum exceeds fmax is skipped and halves the scale; growth_interval clean steps in
+    a row double it. Returns (scales, skipped, events)."""
+    scale, clean, scales, skipped, events = init_scale, 0, [], set(), []
+    for i, g in enumerate(grad_amax):
+        scales.append(scale)
+        if g * scale > fmax:
+            skipped.add(i)
+            events.append(ScalerEvent(i, "backoff", scale, scale / 2))
+            scale, clean = scale / 2, 0
+        else:
+            clean += 1
+            if clean == growth_interval:
+                events.append(ScalerEvent(i, "growth", scale, scale * 2))
+                scale, clean = scale * 2, 0
+    return scales, skipped, events
+
+
+@pytest.mark.parametrize("interval", [2, 3, 5, 7, 10])
+def test_growth_then_backoff_is_quiet_at_any_growth_interval(interval):
+    rng = random.Random(interval)
+    grads = [0.05 * (1 + 0.5 * rng.random()) for _ in range(80)]  # steady, noisy gradients
+    scales, skipped, events = simulate_scaler(grads, interval)
+    assert sum(e.event == "backoff" for e in events) >= 3  # the scaler did probe and back off
+    t = trace_of(falling(80), scale=scales, skipped=skipped, events=events)
+    assert t.diagnosis is None
+    assert not by_rule(t, "scale-backoff") and not by_rule(t, "skip-streak")
+
+
+def test_gradients_that_outgrow_the_scale_are_still_an_error():
+    grads = [0.05 * 1.08**i for i in range(60)]  # 100x over the run: the scale must keep falling
+    scales, skipped, events = simulate_scaler(grads, 4)
+    t = trace_of(falling(60), scale=scales, skipped=skipped, events=events)
+    (f,) = by_rule(t, "skip-streak")
+    assert f.severity == "error"
+    assert "below every level it had held" in f.message
