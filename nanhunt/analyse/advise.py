@@ -25,6 +25,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nanhunt.analyse.curve_advice import CURVE_ADVICE
 from nanhunt.analyse.diagnose import (
     Context,
     ScaleFractions,
@@ -1156,8 +1157,8 @@ ADVICE: dict[str, tuple[Builder, ...]] = {
     "scale-too-low": (_init_scale,),
     "scale-backoff": (_init_scale,),
     "skip-streak": (_skip_init_scale,),
-    "loss-spike": (_clip_grad_norm,),
     "input-range-shift": (_normalize_input,),
+    **CURVE_ADVICE,  # failures without a NaN (curve_advice.py)
 }
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from nanhunt._version import __version__
 from nanhunt.formats import NumberFormat
-from nanhunt.report import _precision, _svg
+from nanhunt.report import _curves, _precision, _svg
 from nanhunt.report._common import (
     HiddenSteps,
     bad_samples_text,
@@ -387,6 +387,11 @@ def _timeline(trace: Trace, fmt: NumberFormat) -> str:
     steps = trace.steps
     skipped = [s.index for s in steps if s.skipped]
     fail = trace.first_failure.step if trace.first_failure else None
+    # a failure without a NaN: the line marks the step the finding names (a spike, the onset
+    # of a divergence), and the culprit's signal is drawn on the same axis of steps
+    curve = _curves.curve_view(trace) if fail is None else None
+    if curve is not None:
+        fail = curve.step
     common = {"skipped": skipped, "fail_step": fail}
     figs = [
         (
@@ -431,14 +436,22 @@ def _timeline(trace: Trace, fmt: NumberFormat) -> str:
                 ),
             )
         )
+    if curve is not None and len(curve.points) >= 2:
+        figs.append((curve.signal[0].upper() + curve.signal[1:], _svg.line_chart(
+            _svg.Series(curve.points, colour=_svg.BAD), log="10", **common)))
+    for group, pts in (curve.groups.items() if curve is not None else ()):
+        if len(pts) >= 2:
+            figs.append((f"Update-to-weight ratio of {group}", _svg.line_chart(
+                _svg.Series(pts, colour="#7c3aed"), log="10", **common)))
     fig_html = "".join(
         f'<figure class="mini"><figcaption>{esc(t)}</figcaption>{svg}</figure>' for t, svg in figs
     )
     legend = (
         '<div class="legend"><span><i class="sw" style="background:#fde68a"></i>'
         "step skipped by GradScaler</span>"
-        '<span><i class="vline"></i>first failure</span>'
-        '<span><i class="cross">×</i>non-finite value</span></div>'
+        + ('<span><i class="vline"></i>the step the finding names</span>' if curve is not None
+           else '<span><i class="vline"></i>first failure</span>')
+        + '<span><i class="cross">×</i>non-finite value</span></div>'
     )
     table = _steps_table(trace)
     return _card(

@@ -116,6 +116,18 @@ def export_tensorboard(trace: Trace, logdir: str | Path) -> int:
                 if st is not None:
                     detailed.add((ls.module, ls.step, side))
                     _layer_point(w, side, ls.module, ls.step, st)
+        for sig in trace.signals:
+            for g in sig.groups:
+                for key, value in (("update_ratio", g.update_ratio),
+                                   ("weight_norm", g.weight_norm),
+                                   ("update_norm", g.update_norm), ("grad_norm", g.grad_norm),
+                                   ("unchanged", g.unchanged), ("moment2_max", g.moment2_max),
+                                   ("lr", g.lr)):
+                    if value is not None:
+                        w.scalar(f"group_{key}/{g.group}", sig.step, value)
+        for layer in trace.layers:
+            for step, amax in sorted(layer.logit_amax_by_step.items()):
+                w.scalar(f"attention_logit_amax/{layer.module}", step, amax)
         for layer in trace.layers:
             for side, by_step in (("forward", layer.forward_amax_by_step),
                                   ("backward", layer.backward_amax_by_step)):

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from nanhunt.formats import NumberFormat
-from nanhunt.report import _precision
+from nanhunt.report import _curves, _precision
 from nanhunt.report._common import (
     HiddenSteps,
     ModuleRow,
@@ -103,6 +103,10 @@ def render_terminal(
     if trace.steps:
         _section(console, "Timeline")
         console.print(_timeline(trace, show_all))
+        curve = _curves.terminal_lines(trace)
+        if curve:
+            console.print()
+            console.print(Text("\n".join(curve)), soft_wrap=True)
     if trace.precision is not None:
         _precision.terminal_section(console, trace, show_all=show_all, max_layers=max_layers)
     if trace.recommendations:

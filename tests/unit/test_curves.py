@@ -233,3 +233,54 @@ def test_gradients_that_outgrow_the_scale_are_still_an_error():
     (f,) = by_rule(t, "skip-streak")
     assert f.severity == "error"
     assert "below every level it had held" in f.message
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _attention_trace():
+    n = 30
+    losses = falling(12) + [v * 3 for v in falling(n - 12, start=3.0 * math.exp(-0.6))]
+    layers = [lay("emb", "Embedding", fwd=[1.0] * n),
+              lay("blocks.1.attn", "Attention", fwd=[1.0] * n, params=0,
+                  logits=[1.6] * 9 + [40.0, 300.0, 3e4] + [3e4] * (n - 12)),
+              lay("head", fwd=[2.0] * n)]
+    signals = [SignalStep(i, [GroupSignal("Adam[0]", weight_norm=4.0, update_norm=0.4)])
+               for i in range(n)]
+    return trace_of(losses, layers=layers, signals=signals)
+
+
+def test_terminal_sparklines_put_the_signal_on_the_loss_steps():
+    import io
+
+    from rich.console import Console
+
+    from nanhunt.report.terminal import render_terminal
+
+    out = io.StringIO()
+    render_terminal(_attention_trace(), Console(file=out, width=80, color_system=None))
+    lines = out.getvalue().splitlines()
+    loss = next(ln for ln in lines if ln.startswith("loss "))
+    signal = next(ln for ln in lines if ln.startswith("signal "))
+    assert "steps 0-29" in loss and "step 10 marked" in loss
+    assert "largest attention logit in blocks.1.attn: 1.6 -> 3e+04" in signal
+    # one bar per step, the jump where the logits jumped (log scale: 1.6 to 3e4)
+    bars = signal.split()[1]
+    assert len(bars) == 30 and bars[:9] == "▁" * 9 and bars[11:] == "█" * 19
+
+
+def test_html_and_tensorboard_carry_the_signals(tmp_path):
+    from nanhunt.report.html import render_html
+    from nanhunt.report.tensorboard import export_tensorboard
+
+    t = _attention_trace()
+    page = render_html(t)
+    assert "Largest attention logit in blocks.1.attn" in page
+    assert "Update-to-weight ratio of Adam[0]" in page
+    assert "the step the finding names" in page
+    n = export_tensorboard(t, tmp_path)
+    t.signals = []
+    for layer in t.layers:
+        layer.logit_amax_by_step = {}
+    plain = export_tensorboard(t, tmp_path / "plain")
+    assert n - plain == 30 * 3 + 30  # update_ratio, weight and update norms; the logits

@@ -1,0 +1,187 @@
+"""Advice for failures without a NaN (the rules of ``diagnose/curves.py``). Torch-free.
+
+Each builder reads one finding and the trace's signals and returns a recommendation with its
+values computed: the learning rate from the param group's update-to-weight ratio, a warm-up
+length from Adam's second-moment horizon, a z-loss coefficient, clipping from healthy gradient
+norms. The installable ones are ``--fix`` specs (``lr-factor``, ``clip``, ``fp32-master``);
+the rest (qk-layernorm, a z-loss, a warm-up) are code changes, printed as snippets, not
+verified.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+
+from nanhunt.analyse.diagnose import Context
+from nanhunt.analyse.diagnose.curves import UPDATE_RATIO_TARGET, Z_LOSS, group_ratios
+from nanhunt.trace import Finding, Recommendation, Trace
+
+__all__ = ["CURVE_ADVICE", "lr_from_update_ratio", "warmup_steps"]
+
+#: Adam's beta2 when nothing else is known (torch's default)
+_BETA2 = 0.999
+
+
+def lr_from_update_ratio(lr: float, ratio: float, target: float = UPDATE_RATIO_TARGET) -> float:
+    """The factor (a power of ten, 1e-4 to 0.1) that brings an update-to-weight ratio to about
+    ``target``: an optimizer's update scales with its lr (Adam's exactly, SGD's for a given
+    gradient), so lr x target / ratio, rounded down to a power of ten."""
+    if ratio <= 0 or not math.isfinite(ratio):
+        return 0.1
+    f = target / ratio
+    return max(1e-4, min(0.1, 10.0 ** math.floor(math.log10(f))))
+
+
+def warmup_steps(beta2: float = _BETA2) -> int:
+    """Steps of linear warm-up for an Adam-type optimizer: 2 / (1 - beta2), the horizon over
+    which its second-moment estimate becomes reliable (Ma & Yarats 2021, "On the adequacy of
+    untuned warmup for adaptive optimization"); 2000 at torch's default beta2=0.999."""
+    return round(2 / (1 - beta2))
+
+
+def _device(trace: Trace) -> str:
+    d = (trace.run.device or "cpu").split(":")[0].split(",")[0].strip()
+    return d if d in ("cpu", "cuda", "xpu", "mps", "hpu") else "cuda"
+
+
+def _group(finding: Finding) -> tuple[str | None, float | None, float | None]:
+    d = finding.data
+    return d.get("group"), d.get("update_ratio"), d.get("lr")
+
+
+def _lower_lr(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    group, ratio, lr = _group(finding)
+    if ratio is None or ratio < 10 * UPDATE_RATIO_TARGET:
+        return None
+    factor = lr_from_update_ratio(lr or 1.0, ratio)
+    pts = group_ratios(trace, finding.step if finding.step is not None else math.inf).get(
+        group or "", [])
+    evidence = [f"param group {group}: each update changed its weights by a median {ratio:.2g} "
+                f"of their norm over steps {pts[0][0]}-{pts[-1][0]}" if pts else
+                f"param group {group}: update-to-weight ratio {ratio:.2g}",
+                f"x{factor:g} brings that to about {ratio * factor:.2g} (about "
+                f"{UPDATE_RATIO_TARGET:g} is healthy; the update scales with the lr)"]
+    if lr:
+        evidence.append(f"lr {lr:g} -> {lr * factor:g}")
+    return Recommendation(type="lower_lr", value=factor, module=finding.module,
+                          snippet="", evidence=evidence,
+                          data={"group": group, "update_ratio": ratio, "lr": lr})
+
+
+def _warmup(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    if finding.kind not in ("lr_too_high", "logit_growth"):
+        return None
+    adam = any(o.type in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax") for o in trace.optimizers)
+    warm = [s.lr for s in sorted(trace.steps, key=lambda s: s.index)[:5] if s.lr is not None]
+    if len(set(warm)) > 1 and warm == sorted(warm):
+        return None  # the lr already warms up
+    n = warmup_steps()
+    why = (f"Adam's second-moment estimate needs about 2 / (1 - beta2) = {n} steps (beta2 "
+           f"{_BETA2}) before its steps are as small as they will be" if adam else
+           f"{n} steps, the untuned rule of thumb for adaptive optimizers; shorter may do")
+    snippet = "\n".join([
+        "import torch",
+        "",
+        f"warmup_steps = {n}",
+        "scheduler = torch.optim.lr_scheduler.LambdaLR(",
+        "    optimizer, lambda step: min(1.0, (step + 1) / warmup_steps))",
+        "# after each optimizer.step() (scaler.step(optimizer)):",
+        "scheduler.step()",
+    ])
+    return Recommendation(
+        type="lr_warmup", value=n, snippet=snippet, code_change=True,
+        verification="not verified: a code change (a schedule nanhunt cannot install)",
+        evidence=[f"the lr was the same from the first step ({warm[0]:g})" if warm else
+                  "no warm-up was seen", why,
+                  "a post-LN transformer needs warm-up to train at all (Xiong et al. 2020)"])
+
+
+def _qk_layernorm(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    if finding.kind != "logit_growth" or finding.data.get("signal") != "attention_logit" \
+            or not finding.module:
+        return None
+    m = finding.module
+    snippet = "\n".join([
+        "from torch import nn",
+        "",
+        f"# in the attention module {m} (its class's __init__), for head_dim = d_model // heads:",
+        "self.q_norm = nn.LayerNorm(head_dim)",
+        "self.k_norm = nn.LayerNorm(head_dim)",
+        "# in its forward, after splitting the heads and before q @ k.transpose(-2, -1):",
+        "q, k = self.q_norm(q), self.k_norm(k)",
+    ])
+    return Recommendation(
+        type="qk_layernorm", value=None, module=m, snippet=snippet, code_change=True,
+        verification="not verified: a change to the model's code",
+        evidence=[f"the attention logits in {m} grew from {finding.data.get('from', 0):.3g} to "
+                  f"{finding.data.get('to', 0):.3g}: they are products of queries and keys whose "
+                  "norms grow with the weights",
+                  "normalising queries and keys bounds every logit by the LayerNorm gains, "
+                  "the fix Wortsman et al. (2023) and Dehghani et al. (2023, ViT-22B) use"])
+
+
+def _z_loss(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    if finding.kind != "logit_growth" or finding.data.get("signal") != "output_logit":
+        return None
+    snippet = "\n".join([
+        f"z_loss = {Z_LOSS:g}",
+        "# logits: the model's output before the loss, shape (..., classes)",
+        "loss = loss + z_loss * logits.float().logsumexp(-1).pow(2).mean()",
+    ])
+    return Recommendation(
+        type="z_loss", value=Z_LOSS, module=finding.module, snippet=snippet, code_change=True,
+        verification="not verified: a change to the loss",
+        evidence=[f"the output logits of {finding.module} grew from "
+                  f"{finding.data.get('from', 0):.3g} to {finding.data.get('to', 0):.3g}",
+                  f"a z-loss of {Z_LOSS:g} x logsumexp(logits)^2 keeps the softmax's "
+                  "normaliser near 0, so the logits cannot drift (PaLM; Wortsman et al. 2023)"])
+
+
+def _fp32_weights(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    if finding.rule != "loss-stall" or not finding.data.get("dtypes"):
+        return None
+    dtypes = finding.data["dtypes"]
+    low = "bfloat16" if "bfloat16" in dtypes else "float16"
+    snippet = "\n".join([
+        "import torch",
+        "",
+        f"model = model.float()  # master weights in float32: drop model.to(torch.{low})",
+        "optimizer = torch.optim.Adam(model.parameters(), lr=lr)  # made after .float()",
+        "# in the training loop: the forward still computes in the low-precision format",
+        f'with torch.autocast("{_device(trace)}", dtype=torch.{low}):',
+        "    loss = loss_fn(model(inputs), targets)",
+    ])
+    return Recommendation(
+        type="fp32_master_weights", value=finding.data.get("group"), snippet=snippet,
+        code_change=True, verification="not verified: a change to the code",
+        evidence=[f"the weights of {finding.data.get('group')} are {'/'.join(dtypes)}: an update "
+                  "smaller than half a unit in their last place is lost",
+                  "float32 master weights keep every update; autocast still computes in the "
+                  "low-precision format"],
+        data={"dtype": dtypes[0]})
+
+
+def _clip(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    if finding.kind != "exploding_gradient":
+        return None
+    norms = [v for _, v in ctx.grad_norms()]
+    if len(norms) < 3:
+        return None
+    value = float(f"{statistics.median(norms[: max(3, len(norms) // 4)]) * 2:.2g}")
+    return Recommendation(
+        type="clip_grad_norm", value=value, snippet="",
+        evidence=[f"twice the median gradient norm of the first {max(3, len(norms) // 4)} "
+                  f"steps: max_norm={value:g}"])
+
+
+Builder = Callable[[Trace, Context, Finding], Recommendation | None]
+
+#: rule id -> builders, most relevant first (merged into advise.ADVICE)
+CURVE_ADVICE: dict[str, tuple[Builder, ...]] = {
+    "logit-growth": (_qk_layernorm, _z_loss, _lower_lr, _warmup),
+    "loss-divergence": (_qk_layernorm, _z_loss, _lower_lr, _clip, _warmup),
+    "loss-spike": (_qk_layernorm, _z_loss, _lower_lr, _clip, _warmup),
+    "loss-stall": (_fp32_weights,),
+}
