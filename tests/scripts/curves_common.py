@@ -5,8 +5,8 @@ healthy controls. Not a nanhunt import: ordinary torch.
 Flags (every script): --steps N, --lr X, --optim adam|sgd, --precision fp32|bf16|fp16 (autocast;
 fp16 adds a GradScaler), --weights fp32|bf16 (the model's own parameters), --post-ln, --warmup N
 (linear lr warm-up), --restarts T (cosine with warm restarts every T steps), --qk-norm,
---z-loss C, --clip C, --growth-interval N (GradScaler's), --spike-at S (one corrupted batch at
-step S: labels shuffled and inputs scaled), --seed N, --hot SUFFIX --hot-lr X (the modules whose
+--z-loss C, --clip C, --growth-interval N (GradScaler's), --spike-at S (one bad update at step S:
+its lr x --spike-lr, 30 by default), --seed N, --hot SUFFIX --hot-lr X (the modules whose
 names end with SUFFIX in a param group of their own, with lr X).
 """
 
@@ -37,6 +37,7 @@ def parse(argv: list[str] | None = None, **defaults: object) -> argparse.Namespa
     p.add_argument("--growth-interval", type=int, default=2000)
     p.add_argument("--init-scale", type=float, default=2.0**16)
     p.add_argument("--spike-at", type=int, default=-1)
+    p.add_argument("--spike-lr", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hot", default="", help="modules (name suffix) in a param group of their own")
     p.add_argument("--hot-lr", type=float, default=0.0, help="that group's lr")
@@ -122,10 +123,6 @@ def train(args: argparse.Namespace, model: nn.Module, batch, loss_fn=None) -> No
     g = torch.Generator().manual_seed(1000 + args.seed)
     for step in range(args.steps):
         x, y = batch(step, g)
-        if step == args.spike_at:
-            y = y[torch.randperm(len(y), generator=g)]
-            if x.is_floating_point():
-                x = x * 8
         opt.zero_grad()
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             logits = model(x)
@@ -137,7 +134,13 @@ def train(args: argparse.Namespace, model: nn.Module, batch, loss_fn=None) -> No
         if args.clip:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if step == args.spike_at:  # one bad update: the loss spikes at the next step
+            for group in opt.param_groups:
+                group["lr"] *= args.spike_lr
         scaler.step(opt)
+        if step == args.spike_at:
+            for group in opt.param_groups:
+                group["lr"] /= args.spike_lr
         scaler.update()
         if sched is not None:
             sched.step()

@@ -3,9 +3,8 @@ pooling, a head): does a sequence hold more high tokens than low ones; see curve
 the flags that make it fail without NaN."""
 
 import torch
-from torch import nn
-
 from curves_common import Trunk, parse, train
+from torch import nn
 
 V, T, D = 16, 12, 32
 

@@ -2,9 +2,8 @@
 synthetic next-token task; see curves_common.py for the flags that make it fail without NaN."""
 
 import torch
-from torch import nn
-
 from curves_common import Trunk, parse, train
+from torch import nn
 
 V, T, D = 32, 16, 32
 

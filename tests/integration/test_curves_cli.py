@@ -1,0 +1,142 @@
+"""Failures without a NaN through the real CLI, a cheap representative subset of
+benchmarks/curves_matrix.py (every pattern in three architectures): each failing script exits 1
+naming what an independent probe names (tests/scripts/curves_probe.py: forward hooks that
+recompute the attention logits from each qkv projection, not from any softmax); the fix applied
+by hand (the script's own flag) trains; healthy spiky runs stay quiet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "tests" / "scripts"
+STEPS = ("--steps", "16")
+
+ATTN = ("curves_gpt.py", *STEPS, "--hot", "qkv", "--hot-lr", "1")
+HEAD = ("curves_vit.py", *STEPS, "--hot", "head", "--hot-lr", "10")
+LR = ("curves_encoder.py", *STEPS, "--lr", "3")
+STALL = ("curves_gpt.py", "--steps", "12", "--weights", "bf16", "--lr", "3e-4")
+SCALER = ("curves_vit.py", "--steps", "30", "--precision", "fp16", "--growth-interval", "2")
+SPIKE = ("curves_encoder.py", "--steps", "26", "--spike-at", "15", "--spike-lr", "10")
+
+
+def _diagnose(cli, script, *args):
+    return cli.submit("diagnose", "--quiet", SCRIPTS / script, *args)
+
+
+def prefetch(cli) -> dict:
+    runs = {name: _diagnose(cli, *case) for name, case in
+            [("attn", ATTN), ("head", HEAD), ("lr", LR), ("stall", STALL), ("scaler", SCALER),
+             ("spike", SPIKE)]}
+    runs["attn-fixed"] = _diagnose(cli, *ATTN, "--qk-norm")
+    runs["attn-probe"] = cli.python(SCRIPTS / "curves_probe.py", *ATTN)
+    runs["head-probe"] = cli.python(SCRIPTS / "curves_probe.py", *HEAD)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(cli) -> dict:
+    return prefetch(cli)
+
+
+def _probe(proc) -> dict[str, dict[int, float]]:
+    assert proc.returncode == 0, proc.stderr
+    raw = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {k: {int(s): v for s, v in d.items()} for k, d in raw.items()}
+
+
+def _first_to_cross(series: dict[str, dict[int, float]], limit: float = 100.0) -> str:
+    """The rule's criterion, on the probe's own numbers: of the series that grew 10x to the
+    limit, the first to cross it, the largest at that step."""
+    best = None
+    for name, by in series.items():
+        pts = sorted(by.items())
+        cross = next(((s, v) for s, v in pts if v >= limit), None)
+        if cross is not None and cross[1] >= 10 * pts[0][1] and (
+                best is None or (cross[0], -cross[1]) < (best[1], -best[2])):
+            best = (name, cross[0], cross[1])
+    assert best is not None, "the probe saw no logit growth"
+    return best[0]
+
+
+def _losses(res) -> list[float]:
+    return [float(line.split()[-1]) for line in res.stdout.splitlines()
+            if line.startswith("step ")]
+
+
+def test_attention_logit_growth_names_the_attention_the_probe_names(runs):
+    res = runs["attn"].result()
+    assert res.code == 1, res.stderr
+    d = res.report["diagnosis"]
+    assert (d["rule"], d["kind"], d["phase"]) == ("logit-growth", "logit_growth", "forward")
+    probe = _probe(runs["attn-probe"].result())
+    assert d["module"] == _first_to_cross({k: v for k, v in probe.items() if k.endswith("attn")})
+    # the param group of the attention projections is the one out of proportion
+    assert d["data"]["group"] == "Adam[1]" and d["data"]["update_ratio"] >= 0.1
+    recs = {r["type"]: r for r in res.report["recommendations"]}
+    assert recs["qk_layernorm"]["module"] == d["module"]
+    assert recs["qk_layernorm"]["code_change"] and not recs["qk_layernorm"]["verified"]
+    assert "signal" in res.text and "largest attention logit" in res.text
+
+
+def test_qk_layernorm_applied_by_hand_trains(runs):
+    bad, fixed = runs["attn"].result(), runs["attn-fixed"].result()
+    assert fixed.code == 0, fixed.stderr
+    assert fixed.report["diagnosis"] is None
+    assert _losses(fixed)[-1] < _losses(bad)[-1]
+
+
+def test_output_logit_growth_names_the_head_and_advises_a_z_loss(runs):
+    res = runs["head"].result()
+    assert res.code == 1, res.stderr
+    d = res.report["diagnosis"]
+    assert (d["rule"], d["kind"], d["data"]["signal"]) == ("logit-growth", "logit_growth",
+                                                          "output_logit")
+    probe = _probe(runs["head-probe"].result())
+    assert d["module"] == _first_to_cross({"head": probe["head"]}) == "head"
+    z = next(r for r in res.report["recommendations"] if r["type"] == "z_loss")
+    assert z["value"] == 1e-4 and "logsumexp" in z["snippet"]
+
+
+def test_lr_far_too_high_without_nan_is_an_error(runs):
+    res = runs["lr"].result()
+    assert res.code == 1, res.stderr
+    rep = res.report
+    assert rep["first_failure"] is None
+    d = rep["diagnosis"]
+    assert d["kind"] == "lr_too_high" and d["rule"] in ("loss-divergence", "loss-spike")
+    assert d["data"]["update_ratio"] >= 0.1
+    lower = next(r for r in rep["recommendations"] if r["type"] == "lower_lr")
+    assert lower["fix"] == [f"lr-factor={lower['value']:g}"]
+    # every applied step has its param group's signals
+    applied = [s["index"] for s in rep["steps"]]
+    assert [s["step"] for s in rep["signals"]] == applied
+
+
+def test_bfloat16_updates_that_round_away_are_a_stall(runs):
+    res = runs["stall"].result()
+    assert res.code == 1, res.stderr
+    d = res.report["diagnosis"]
+    assert (d["rule"], d["kind"]) == ("loss-stall", "underflow")
+    assert d["data"]["unchanged"] >= 0.5 and d["data"]["dtypes"] == ["bfloat16"]
+
+
+def test_gradscaler_growth_then_backoff_is_quiet(runs):
+    res = runs["scaler"].result()
+    assert res.code == 0, res.stderr
+    rep = res.report
+    backoffs = [e for e in rep["scaler_events"] if e["event"] == "backoff"]
+    assert len(backoffs) >= 3  # the scaler probed and backed off, again and again
+    assert rep["diagnosis"] is None
+    assert not {w["rule"] for w in rep["warnings"]} & {"skip-streak", "scale-backoff"}
+
+
+def test_a_spike_that_recovers_is_at_most_a_warning_with_its_step(runs):
+    res = runs["spike"].result()
+    assert res.code == 0, res.stderr
+    rep = res.report
+    assert rep["diagnosis"] is None
+    (w,) = [w for w in rep["warnings"] if w["rule"] == "loss-spike"]
+    assert w["severity"] == "warning" and w["step"] == 16 and w["data"]["recovered"] is not None
