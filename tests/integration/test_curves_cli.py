@@ -105,9 +105,11 @@ def test_lr_far_too_high_without_nan_is_an_error(runs):
     assert res.code == 1, res.stderr
     rep = res.report
     assert rep["first_failure"] is None
-    d = rep["diagnosis"]
-    assert d["kind"] == "lr_too_high" and d["rule"] in ("loss-divergence", "loss-spike")
-    assert d["data"]["update_ratio"] >= 0.1
+    assert rep["diagnosis"]["kind"] == "lr_too_high"
+    # the divergence is the diagnosis, or explained by the weights growing by lr every step
+    # (weight-growth, the more precise cause for Adam) and kept as a warning
+    d = next(f for f in [rep["diagnosis"], *rep["warnings"]] if f["rule"] == "loss-divergence")
+    assert d["kind"] == "lr_too_high" and d["data"]["update_ratio"] >= 0.1
     lower = next(r for r in rep["recommendations"] if r["type"] == "lower_lr")
     assert lower["fix"] == [f"lr-factor={lower['value']:g}"]
     # every applied step has its param group's signals

@@ -134,7 +134,7 @@ def test_divergence_is_an_error_and_the_update_ratio_names_the_group():
 def test_the_whole_model_moving_at_once_is_the_learning_rate():
     n = 12
     losses = [3.0] + [30.0 + i for i in range(n - 1)]
-    layers = [lay(f"l{i}", fwd=[1.0] + [50.0] * (n - 1)) for i in range(4)]
+    layers = [lay(f"l{i}", fwd=[1.0] + [50.0 + i] * (n - 1)) for i in range(4)]
     layers[1].logit_amax_by_step = {i: (1.0 if i == 0 else 500.0) for i in range(n)}
     t = trace_of(losses, layers=layers)
     d = t.diagnosis

@@ -41,14 +41,15 @@ PRECEDENCE = (
     "forward-nan-op",
     "backward-nan-op",
     "norm-underflow",
+    "weight-growth",
+    "exploding-gradient",
     # failures without a NaN (curves.py): errors only while every value is finite, explained by
-    # the signal that moved first
+    # the signal that moved first; after the growth rules, whose findings (Adam's steps of lr,
+    # gradients exploding through time in a recurrence) name a cause more precisely
     "loss-stall",
     "logit-growth",
     "loss-divergence",
     "loss-spike",
-    "weight-growth",
-    "exploding-gradient",
     "forward-overflow",
     "backward-overflow",
     "skip-streak",  # skips are often a symptom: an explosion or an op above explains them

@@ -183,13 +183,21 @@ def _output_module(ctx: Context) -> str | None:
     parameters of its own and is not a normalisation (an ``lm_head``, a classifier ``head``)."""
     heads = [lay for lay in ctx.trace.layers if lay.params and lay.forward_amax_by_step
              and not is_norm_type(lay.type)]
-    return max(heads, key=lambda lay: ctx.order.get(lay.module, -1)).module if heads else None
+    if not heads:
+        return None
+    last = max(heads, key=lambda lay: ctx.order.get(lay.module, -1))
+    # a module finishes after its children (layers are in the order their calls returned): a
+    # root with weights of its own whose output is its head's yields to the head, which
+    # returned first with the same values
+    same = [lay for lay in heads if lay.forward_amax_by_step == last.forward_amax_by_step]
+    return min(same, key=lambda lay: ctx.order.get(lay.module, -1)).module
 
 
 def movers(ctx: Context, until: int) -> list[Mover]:
     """Every per-module series that moved (MOVED x its first value) by step ``until``, earliest
     first, the most grown first among those of one step. A container whose output is a child's
-    (a Sequential's last layer, a model's head) moved because the child did: only the child."""
+    (a Sequential's last layer, a model's head) moved because the child did: only the child (the
+    one whose call returned first with the same values)."""
     found: list[Mover] = []
     head = _output_module(ctx)
     for layer in ctx.trace.layers:
@@ -204,14 +212,12 @@ def movers(ctx: Context, until: int) -> list[Mover]:
         grad = _mover(_series(grads, until), "the largest parameter gradient of", layer.module,
                       "param_grad")
         found += [m for m in (logits, output, grad) if m is not None]
-    params = {lay.module: lay.params for lay in ctx.trace.layers}
-
-    def rank(m: Mover) -> tuple[int, int]:
-        return (params.get(m.module or "", 0) > 0, len(m.module or ""))
+    order = ctx.order  # the order calls returned: a child before the container returning it
 
     kept = [m for m in found if not (m.signal == "output" and any(
         o is not m and o.signal in ("output", "output_logit") and o.first == m.first
-        and o.peak == m.peak and rank(o) > rank(m) for o in found))]
+        and o.peak == m.peak and order.get(o.module or "", -1) < order.get(m.module or "", -1)
+        for o in found))]
     return sorted(kept, key=lambda m: (m.moved[0], -math.log(max(m.growth, 1.0))))
 
 
