@@ -2,11 +2,13 @@
 softmax saw, measured every step for almost nothing (fused kernels, device scalars that cross
 with the step's one transfer; nothing waits for the device).
 
-Per param group (:class:`~nanhunt.trace.GroupSignal`): the weights' norm after the update, the
-norm of what the update changed (the parameters are copied before the step, one fused copy,
-freed after it), the gradients' norm, the fraction of elements the update left exactly as they
-were (updates below half a unit in the last place of a low-precision weight round away), and
-the second-moment estimate's max and mean (Adam's ``exp_avg_sq``, RMSprop's ``square_avg``).
+Per param group (:class:`~nanhunt.trace.GroupSignal`), from up to SAMPLE evenly strided elements
+of each parameter, its gradient and its optimizer state (exact for smaller tensors, an estimate
+otherwise; a copy of the sample, not of the weights): the weights' and the gradients' norms,
+the norm of what the update changed,
+the fraction of elements it left exactly as they were (updates below half a unit in the last
+place of a low-precision weight round away), and the second-moment estimate's max and mean
+(Adam's ``exp_avg_sq``, RMSprop's ``square_avg``).
 
 With full tracing, a softmax called inside a module's forward also records its input's largest
 finite magnitude for that module (attention scores before softmax).
@@ -23,13 +25,13 @@ import torch.nn.functional as F
 from torch.optim import optimizer as _O
 
 from nanhunt._patching import patch
-from nanhunt.capture._util import _foreach_norm, _safe, _skip
+from nanhunt.capture._util import _safe, _skip
 from nanhunt.capture.state import Part
 from nanhunt.trace import ParamGroupInfo
 
-#: a group larger than this (elements) gets no update norm: its copy before the step would cost
-#: as much memory as its weights
-MAX_COPY = 100_000_000
+#: elements of each parameter (its gradient, its second-moment state) the signals read: evenly
+#: strided, so a step costs copies of at most this many per tensor, not passes over the weights
+SAMPLE = 4096
 
 #: the optimizer state holding a second-moment estimate, by the name optimizers give it
 _MOMENT2 = ("exp_avg_sq", "square_avg", "sum")
@@ -100,11 +102,10 @@ class SignalObserver(Part):
             if not params:
                 continue
             name = self._group_name(optimizer, i, params)
-            grads = [p.grad for p in params]
-            self._queue(step, self._norm(grads), name, "grad_norm")
-            copy = None
-            if sum(p.numel() for p in params) <= MAX_COPY and _one_device(params):
-                copy = torch._foreach_mul(params, 1.0)
+            if _one_device(params):
+                g, weight = _sample([p.grad for p in params])
+                self._queue(step, (g.double().pow(2) * weight).sum(), name, "grad_norm")
+            copy = _sample(params) if _one_device(params) else None
             kept.append((name, params, copy))
             lr = group.get("lr")
             if isinstance(lr, (int, float)) and not isinstance(lr, bool):
@@ -118,34 +119,22 @@ class SignalObserver(Part):
         if not kept or not self.s._active or _skip():
             return
         for name, params, copy in kept:
-            self._queue(step, self._norm(params), name, "weight_norm")
             if copy is not None:
-                delta = torch._foreach_sub(params, copy)
-                self._queue(step, self._norm(delta), name, "update_norm")
-                changed = torch.stack(_foreach_norm(delta, 0)).sum()
+                before, weight = copy
+                after = _sample(params)[0]  # (the same elements, after the update)
+                self._queue(step, (after.double().pow(2) * weight).sum(), name, "weight_norm")
+                delta = after - before
                 total = sum(p.numel() for p in params)
-                self._queue(step, 1.0 - changed / total, name, "unchanged", sqrt=False)
-                del delta, copy
+                self._queue(step, (delta.double().pow(2) * weight).sum(), name, "update_norm")
+                self._queue(step, 1.0 - ((delta != 0) * weight).sum() / total, name,
+                            "unchanged", sqrt=False)
             moments = [v for v in (_moment2(optimizer.state.get(p)) for p in params)
                        if v is not None]
             if moments and _one_device(moments):
-                peak = torch.stack(torch._foreach_max(moments)).max()
-                self._queue(step, peak, name, "moment2_max", sqrt=False)
-                total = sum(v.numel() for v in moments)
-                self._queue(step, torch.stack(_foreach_norm(moments, 1)).sum() / total, name,
+                v, weight = _sample(moments)
+                self._queue(step, v.max(), name, "moment2_max", sqrt=False)
+                self._queue(step, (v.double() * weight).sum() / weight.sum(), name,
                             "moment2_mean", sqrt=False)
-
-    def _norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The sum of squares (sqrt on the host) of tensors on one or more devices."""
-        total = None
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_device.setdefault(t.device, []).append(t)
-        for ts in by_device.values():
-            part = torch.stack(_foreach_norm(ts, 2.0)).double().pow(2).sum()
-            total = part if total is None else total + part.to(total.device)
-        assert total is not None
-        return total
 
     def _queue(self, step: int, value: torch.Tensor, group: str, key: str, *,
                sqrt: bool = True) -> None:
@@ -188,6 +177,25 @@ class SignalObserver(Part):
         # finite values only: a -inf mask is no logit
         amax = torch.where(torch.isfinite(x), x.abs(), 0).amax()
         self.rec.scalar(amax, f"smax\0{self.cur.frames[-1].name}")
+
+
+def _sample(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to SAMPLE evenly strided elements of each tensor, as one float32 vector (a copy), and
+    each element's weight (how many elements of its tensor it stands for): weighted sums over
+    the sample estimate sums over the tensors without copying them (exact for tensors of SAMPLE
+    elements or fewer)."""
+    parts, weights = [], []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        stride = -(-flat.numel() // SAMPLE)
+        part = flat[::stride]
+        parts.append(part)
+        weights.append(flat.numel() / part.numel())
+    sample = torch.cat(parts).float()
+    weight = torch.repeat_interleave(
+        torch.tensor(weights, dtype=torch.float64, device=sample.device),
+        torch.tensor([q.numel() for q in parts], device=sample.device))
+    return sample, weight
 
 
 def _moment2(state: Any) -> torch.Tensor | None:

@@ -155,6 +155,23 @@ def test_output_logit_growth_names_the_head():
     assert d.data["signal"] == "output_logit" and d.step == 3
 
 
+def test_output_logit_growth_advises_a_z_loss_and_attention_a_qk_layernorm():
+    from nanhunt.analyse.advise import advise
+
+    n = 20
+    head = [2.0, 2.0, 2.5] + [150.0 + i for i in range(n - 3)]
+    t = trace_of(falling(n), layers=[lay("body", fwd=[1.0] * n), lay("head", fwd=head)])
+    advise(t)
+    z = next(r for r in t.recommendations if r.type == "z_loss")
+    assert z.value == 1e-4 and z.code_change and "logsumexp(-1).pow(2)" in z.snippet
+    t = trace_of(falling(n), layers=[
+        lay("blocks.0.attn", "Attention", fwd=[1.0] * n, logits=[1.5] + [500.0] * (n - 1)),
+        lay("head", fwd=[2.0] * n)])
+    advise(t)
+    qk = next(r for r in t.recommendations if r.type == "qk_layernorm")
+    assert qk.module == "blocks.0.attn" and "q_norm" in qk.snippet and not qk.verified
+
+
 def test_healthy_logits_in_the_tens_are_quiet():
     n = 20
     layers = [lay("attn", "Attention", fwd=[1.0] * n, logits=[1.5 + i for i in range(n)]),
