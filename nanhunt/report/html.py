@@ -21,6 +21,8 @@ from nanhunt.report._common import (
     bad_samples_text,
     check_detail,
     check_label,
+    experiment_lines,
+    experiment_rows,
     fix_options,
     fmt_binades,
     fmt_compact,
@@ -41,8 +43,6 @@ from nanhunt.report._common import (
     try_line,
     verdict,
     verification_lines,
-    experiment_lines,
-    experiment_rows,
 )
 from nanhunt.report._svg import esc
 from nanhunt.trace import Failure, Finding, OpRecord, RankSummary, Recommendation, StepRecord, Trace

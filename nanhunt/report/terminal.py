@@ -25,6 +25,8 @@ from nanhunt.report._common import (
     bad_samples_text,
     check_detail,
     check_label,
+    experiment_lines,
+    experiment_rows,
     first_line,
     fix_options,
     fmt_binades,
@@ -48,8 +50,6 @@ from nanhunt.report._common import (
     values_summary,
     verdict,
     verification_lines,
-    experiment_lines,
-    experiment_rows,
 )
 from nanhunt.trace import Failure, Finding, RankSummary, Recommendation, StepRecord, Trace
 
