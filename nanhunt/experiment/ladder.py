@@ -168,26 +168,37 @@ def outcome(e: Experiment, original: Trace, rerun: Trace | None, *, exit_code: i
         e.outcome = "diverged"
         e.detail = f"the loss blew up: {max(finite):.3g}, {max(finite) / finite[0]:.0f}x its " \
             f"first value {finite[0]:.3g}"
-    elif rerun.problem:
+    elif rerun.problem and _same_problem(original, rerun):
+        # the original's symptom (a failure with no non-finite value) came back
         what = rerun.diagnosis.kind.replace("_", " ") if rerun.diagnosis else "a problem"
-        same = original.diagnosis is not None and rerun.diagnosis is not None and \
-            rerun.diagnosis.kind == original.diagnosis.kind
-        e.outcome = "recurred" if same and e.rung == "control" else "diverged"
-        e.detail = f"the re-run has a problem too: {what}" + \
+        e.outcome = "recurred" if e.rung == "control" else "diverged"
+        e.detail = f"the re-run has the same problem: {what}" + \
             (f" ({rerun.diagnosis.message[:160]})" if rerun.diagnosis else "")
     elif e.steps < e.target_steps and not e.ended:
         e.outcome = "stopped"
         e.detail = f"stopped after {e.steps} of {e.target_steps} steps ({rerun.run.status})"
     else:
         e.outcome = "trained"
+        if rerun.problem and rerun.diagnosis is not None:
+            # another finding of the rules in a run that trained: said, not the outcome
+            e.detail = f"(its own diagnosis, not the original failure: " \
+                f"{rerun.diagnosis.kind.replace('_', ' ')}) "
         span = [v for v in e.losses if v is not None]
-        e.detail = (f"{e.steps} steps" + (" (the script's end)" if e.ended and
+        e.detail += (f"{e.steps} steps" + (" (the script's end)" if e.ended and
                                           e.steps < e.target_steps else "")
                     + (f", loss {span[0]:.4g} -> {span[-1]:.4g}" if span else "")
                     + (f", {len(e.skipped)} calibration skip" + ("s" if len(e.skipped) > 1
                                                                   else "")
                        if e.skipped else ""))
     return e
+
+
+def _same_problem(original: Trace, rerun: Trace) -> bool:
+    """Whether a re-run with no failure has the original's problem (same diagnosis kind), or
+    any problem when the original had no diagnosis."""
+    if original.diagnosis is None or rerun.diagnosis is None:
+        return original.first_failure is None
+    return rerun.diagnosis.kind == original.diagnosis.kind
 
 
 def control_facts(ex: Experiments, original: Trace) -> None:

@@ -200,3 +200,17 @@ def test_next_rungs_follow_the_float32_outcome():
     ex = _ex(t, control="recurred", fp32="recurred")
     assert [r.name for r in next_rungs(t, ex)] == ["lr-0.1", "lr-0.01", "skip-batch"]
     assert next_rungs(t, ex)[-1].fixes == ("skip-batch=3",)
+
+
+def test_another_finding_in_a_run_that_trained_is_said_not_its_outcome():
+    t = _original(kind="overflow")
+    other = _rerun([2.0 - 0.05 * i for i in range(24)])
+    other.problem = True
+    other.diagnosis = Finding(rule="g", kind="exploding_gradient", severity="error", message="m")
+    e = outcome(Experiment("fp32", target_steps=24), t, other, exit_code=1)
+    assert e.outcome == "trained" and "exploding gradient" in e.detail
+    same = _rerun([2.0] * 24)
+    same.problem = True
+    same.diagnosis = Finding(rule="r", kind="overflow", severity="error", message="m")
+    assert outcome(Experiment("fp32", target_steps=24), t, same, exit_code=1).outcome == \
+        "diverged"
