@@ -246,6 +246,7 @@ def loss_gap(run: Experiment, reference: Experiment, ex: Experiments,
 _PRECISION_KINDS = ("overflow", "underflow", "loss_scale")
 _NOT_PRECISION_KINDS = ("lr_too_high", "exploding_gradient")
 _NAMES = {
+    "precision": "a precision failure (range or resolution not told apart)",
     "precision-range": "a precision failure of float16's range",
     "precision-resolution": "a precision failure of resolution (bfloat16 fails too)",
     "loss-scaling": "a loss-scaling failure",
@@ -289,8 +290,9 @@ def classify(ex: Experiments, trace: Trace) -> None:
         elif bf16 is None and not _float16(trace):
             verdict = "precision-resolution"
             said.append("the run is bfloat16 already (float32's range)")
-        else:
-            verdict = "precision-range"
+        else:  # bfloat16 did not run (the budget) or crashed: range or resolution unknown
+            verdict = "precision"
+            said.append("bfloat16 was not tried to completion")
     elif fp32.outcome in ("recurred", "moved", "diverged"):
         said.append(f"float32 everywhere does not remove it ({fp32.outcome}"
                     + (f" at step {fp32.failure_step}" if fp32.failure_step is not None
@@ -319,7 +321,7 @@ def classify(ex: Experiments, trace: Trace) -> None:
             kind in _PRECISION_KINDS:
         ex.contradiction = (f"the rules called it {kind.replace('_', ' ')}, a precision "
                             "failure, but it recurs in float32 everywhere: the experiments win")
-    elif verdict in ("precision-range", "precision-resolution", "loss-scaling") and \
+    elif verdict in ("precision", "precision-range", "precision-resolution", "loss-scaling") and \
             kind in _NOT_PRECISION_KINDS:
         ex.contradiction = (f"the rules called it {kind.replace('_', ' ')}, but float32 "
                             "everywhere removes the failure: a precision failure, the "

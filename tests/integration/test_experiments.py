@@ -132,7 +132,8 @@ def test_a_run_that_learns_less_than_float32_is_a_silent_precision_failure(runs)
         assert ex["verdict"] == "silent-precision", ex["verdict_text"]
         assert runs_["control"]["outcome"] == "trained"
     else:  # a rule flagged the stalled loss first: the ladder reads it; bfloat16 stalls too
-        assert ex["verdict"] == "precision-resolution", ex["verdict_text"]
+        # bfloat16 stalls too (resolution), unless the --budget left it out on a loaded machine
+        assert ex["verdict"] in ("precision-resolution", "precision"), ex["verdict_text"]
         assert runs_["control"]["outcome"] == "recurred"
     # the script's own float32 path is the reference: the fp32 experiment's losses are its
     script = SCRIPTS / "silent_half_updates.py"
