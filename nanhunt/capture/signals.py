@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.optim import optimizer as _O
 
+from nanhunt import stats as _stats
 from nanhunt._patching import patch
 from nanhunt.capture._util import _safe, _skip
 from nanhunt.capture.state import Part
@@ -124,7 +125,7 @@ class SignalObserver(Part):
                 after = _sample(params)[0]  # (the same elements, after the update)
                 self._queue(step, (after.double().pow(2) * weight).sum(), name, "weight_norm")
                 delta = after - before
-                total = sum(p.numel() for p in params)
+                total = sum(_stats.local(p).numel() for p in params)
                 self._queue(step, (delta.double().pow(2) * weight).sum(), name, "update_norm")
                 self._queue(step, 1.0 - ((delta != 0) * weight).sum() / total, name,
                             "unchanged", sqrt=False)
@@ -183,10 +184,11 @@ def _sample(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to SAMPLE evenly strided elements of each tensor, as one float32 vector (a copy), and
     each element's weight (how many elements of its tensor it stands for): weighted sums over
     the sample estimate sums over the tensors without copying them (exact for tensors of SAMPLE
-    elements or fewer)."""
+    elements or fewer). A DTensor contributes its local shard: the signals of a sharded group
+    are this rank's."""
     parts, weights = [], []
     for t in tensors:
-        flat = t.detach().reshape(-1)
+        flat = _stats.local(t).detach().reshape(-1)  # a DTensor's local shard (FSDP2)
         stride = -(-flat.numel() // SAMPLE)
         part = flat[::stride]
         parts.append(part)

@@ -34,6 +34,11 @@ def test_report_renders_again_and_writes_html(run_cli, diagnosed, tmp_path):
     assert run_cli("report", str(diagnosed)).code == 0
 
 
+def data_version(folder):
+    """The schema version this nanhunt wrote (the one it reads)."""
+    return json.loads((folder / "report.json").read_text())["schema_version"]
+
+
 def test_report_refuses_other_schema_versions_and_corrupt_files(run_cli, diagnosed, tmp_path):
     data = json.loads((diagnosed / "report.json").read_text())
     data["schema_version"] = 99
@@ -42,7 +47,7 @@ def test_report_refuses_other_schema_versions_and_corrupt_files(run_cli, diagnos
     res = run_cli("report", str(newer))
     assert res.code == 2
     assert res.stderr.strip() == ("nanhunt: report schema version 99 is not supported (this "
-                                  "nanhunt reads version 1)")
+                                  f"nanhunt reads version {data_version(diagnosed)})")
     corrupt = tmp_path / "corrupt.json"
     corrupt.write_text((diagnosed / "report.json").read_text()[:500])
     res = run_cli("report", str(corrupt))

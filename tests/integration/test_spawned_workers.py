@@ -119,7 +119,7 @@ def test_the_healthy_twin_prints_what_python_prints_and_reports_both_ranks(cli):
         (0, "complete", 5), (1, "complete", 5)]
     # the losses the report holds are the ones the workers printed
     printed = {(int(m[1]), int(m[2])): float(m[3])
-               for m in re.finditer(r"rank (\d) step (\d) loss (\S+)", plain.stdout)}
+               for m in re.finditer(r"rank (\d) step (\d) loss (nan|[-+0-9.e]+)", plain.stdout)}
     for r in report["ranks"]:
         for s in r["steps"]:
             assert s["loss"] == pytest.approx(printed[r["rank"], s["index"]], rel=0, abs=0)

@@ -13,6 +13,7 @@ all-reduce and every later loss is nan.
 import argparse
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,10 @@ def worker(rank, world, port, args):
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
-            print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+            # one write a line: print writes the text and the newline apart, and two workers
+            # share the pipe
+            sys.stdout.write(f"rank {rank} step {step} loss {loss.item()!r}\n")
+            sys.stdout.flush()
     finally:
         dist.destroy_process_group()
 

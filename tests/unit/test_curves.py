@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
 from nanhunt.analyse.diagnose import curves, diagnose
@@ -131,11 +132,33 @@ def test_divergence_is_an_error_and_the_update_ratio_names_the_group():
     assert d.data["onset"] == 4  # 1.8 * 1.3**2 = 3.04 >= 1.5 * 1.8 first at step 4
 
 
+def test_a_noisy_stationary_loss_rarely_diverges():
+    """Losses drawn independently around one level (a healthy run on small random batches: most
+    draws of a scaled chi-square lie well below its mean) diverge only when the last five or more
+    happen to exceed every loss before them: for 12 exchangeable draws that is the chance that
+    the largest 12-k are the last ones, summed over where the run starts (k >= 3), about 1%.
+    "1.5x the lowest of the first three" fired on about a fifth of them. The same draws with the
+    level tripled from step 8 are a divergence from step 8."""
+    rng = np.random.default_rng(0)
+    chance = sum(math.factorial(k) * math.factorial(12 - k) / math.factorial(12)
+                 for k in range(3, 8))
+    assert chance < 0.011
+    alarms = 0
+    trials = 2000
+    for _ in range(trials):
+        draws = rng.chisquare(4, size=12) / 4
+        alarms += curves.divergence(list(enumerate(draws.tolist()))) is not None
+    assert alarms <= 2 * chance * trials
+    risen = [(i, 3.0 + 0.01 * i if i >= 8 else 1.0 + 0.01 * (i % 2)) for i in range(14)]
+    d = curves.divergence(risen)
+    assert d is not None and d.onset == 8 and d.steps == 6
+
+
 def test_the_whole_model_moving_at_once_is_the_learning_rate():
-    n = 12
-    losses = [3.0] + [30.0 + i for i in range(n - 1)]
-    layers = [lay(f"l{i}", fwd=[1.0] + [50.0 + i] * (n - 1)) for i in range(4)]
-    layers[1].logit_amax_by_step = {i: (1.0 if i == 0 else 500.0) for i in range(n)}
+    n = 14
+    losses = [3.0, 2.9, 3.1] + [30.0 + i for i in range(n - 3)]
+    layers = [lay(f"l{i}", fwd=[1.0] * 3 + [50.0 + i] * (n - 3)) for i in range(4)]
+    layers[1].logit_amax_by_step = {i: (1.0 if i < 3 else 500.0) for i in range(n)}
     t = trace_of(losses, layers=layers)
     d = t.diagnosis
     assert (d.rule, d.kind, d.module) == ("loss-divergence", "lr_too_high", None)

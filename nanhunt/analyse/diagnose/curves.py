@@ -112,29 +112,38 @@ def spikes(points: list[tuple[int, float]]) -> list[Spike]:
 @dataclass
 class Divergence:
     onset: int  # the first step of the final run above the early loss
-    early: float  # the lowest of the first three losses
+    early: float  # the median of the first three losses
     last: float
     peak: tuple[int, float]
     steps: int  # steps above
+    band: float = 0.0  # the level the final run stayed above
 
 
 def divergence(points: list[tuple[int, float]]) -> Divergence | None:
-    """The loss above DIVERGE_RATIO x its early value (the lowest of its first three) for the
-    last DIVERGE_STEPS steps or more, up to the last one recorded."""
+    """The loss above DIVERGE_RATIO x its early value (the median of its first three) and above
+    every loss before, for the last DIVERGE_STEPS steps or more, up to the last one recorded:
+    the curve left the range it had and stayed out. The range before is the noise floor: a noisy
+    curve (small random batches) whose early losses happen to be small does not diverge by
+    coming back to its usual level."""
     if len(points) < 3 + DIVERGE_STEPS:
         return None
-    early = min(v for _, v in points[:3])
+    values = [v for _, v in points]
+    early = statistics.median(values[:3])
     if early <= 0:
         return None
-    run = 0
-    for _, v in reversed(points):
-        if v < DIVERGE_RATIO * early:
-            break
-        run += 1
-    if run < DIVERGE_STEPS:
+    best = None  # the longest final run above everything before it
+    low = math.inf  # the smallest loss of the final run from k on
+    for k in range(len(values) - 1, 2, -1):
+        low = min(low, values[k])
+        band = max(DIVERGE_RATIO * early, max(values[:k]))
+        if low > band:
+            best = (k, band)
+    if best is None or len(values) - best[0] < DIVERGE_STEPS:
         return None
-    tail = points[-run:]
-    return Divergence(tail[0][0], early, points[-1][1], max(tail, key=lambda p: p[1]), run)
+    k, band = best
+    tail = points[k:]
+    return Divergence(tail[0][0], early, points[-1][1], max(tail, key=lambda p: p[1]),
+                      len(tail), band)
 
 
 # ----------------------------------------------------------------------------- the signals
@@ -410,8 +419,9 @@ def logit_growth(trace: Trace, ctx: Context) -> Iterator[Finding]:
 
 @rule(id="loss-divergence", kind="lr_too_high", needs=("loss",))
 def loss_divergence(trace: Trace, ctx: Context) -> Iterator[Finding]:
-    """The loss stayed above 1.5x its early value (the lowest of its first three) for the last
-    five steps or more, with every value finite: the run diverged without a NaN."""
+    """The loss stayed above 1.5x its early value (the median of its first three) and above
+    every loss before for the last five steps or more, with every value finite: the run diverged
+    without a NaN."""
     if ctx.failure is not None:
         return
     pts = losses(trace)
