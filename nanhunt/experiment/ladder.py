@@ -68,7 +68,7 @@ def uses_low_precision(trace: Trace) -> bool:
     run = trace.run
     return bool(run.autocast or run.scaler or
                 any(d in ("float16", "bfloat16") for d in run.dtypes) or
-                run.target in ("float16", "bfloat16") and run.target_source != "default")
+                (run.target in ("float16", "bfloat16") and run.target_source != "default"))
 
 
 def _float16(trace: Trace) -> bool:

@@ -619,9 +619,7 @@ def experiment_lines(trace: Trace) -> list[str]:
         lines.append("not run (the --budget was spent): " + "; ".join(ex.not_run))
     if ex.interrupted:
         lines.append("interrupted (Ctrl-C): what ran is kept")
-    if ex.source == "rules" and ex.note:
-        lines.append(ex.note)
-    elif ex.note:
+    if (ex.source == "rules" and ex.note) or ex.note:
         lines.append(ex.note)
     if ex.runs:
         lines.append(f"{plural(len(ex.runs), 're-run')}, {ex.jobs} at a time, "

@@ -1,6 +1,6 @@
-"""Reading the experiment ladder (nanhunt.experiment.ladder, nanhunt.experiment.verify's conditions) on hand-built
-traces: each row of the decision table in docs/rules.md, the control's facts, and what makes a
-fix verified. Torch-free."""
+"""Reading the experiment ladder (nanhunt.experiment.ladder, nanhunt.experiment.verify's conditions)
+on hand-built traces: each row of the decision table in docs/rules.md, the control's facts, and what
+makes a fix verified. Torch-free."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 import pytest
 
 from nanhunt.experiment.ladder import classify, control_facts, horizon, next_rungs, outcome
+from nanhunt.experiment.verify import _conditions, judge
 from nanhunt.trace import (
     Experiment,
     Experiments,
@@ -21,7 +22,6 @@ from nanhunt.trace import (
     TensorStats,
     Trace,
 )
-from nanhunt.experiment.verify import _conditions, judge
 
 
 def _failure(step: int) -> Failure:

@@ -1,5 +1,5 @@
-"""The experiment ladder's whole-program fixes (nanhunt.experiment.rungs), each applied from outside to a
-float16 run and checked against the path the script spells out by hand (its own float32,
+"""The experiment ladder's whole-program fixes (nanhunt.experiment.rungs), each applied from outside
+to a float16 run and checked against the path the script spells out by hand (its own float32,
 bfloat16, no-scaler and replaced-input paths): the same losses, bit for bit."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_fixes import run_script  # noqa: E402
+from test_fixes import run_script
 
-from nanhunt.fixspec import parse_fix, snippet, SnippetContext  # noqa: E402
+from nanhunt.fixspec import SnippetContext, parse_fix, snippet
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "precision_paths.py"
 

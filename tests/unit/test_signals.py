@@ -61,7 +61,7 @@ def test_group_signals_match_copies_made_by_the_test(mode):
     assert [g.name for g in t.param_groups] == ["Adam[0]", "Adam[1]"]
     assert t.param_groups[1].modules == ["1"] and t.param_groups[1].elements == 36
     assert [s.step for s in t.signals] == [0, 1, 2]
-    for sig, (before, grads, after, o) in zip(t.signals, ref):
+    for sig, (before, grads, after, o) in zip(t.signals, ref):  # noqa: B007 (o: after the loop)
         for gi, g in enumerate(sig.groups):
             delta = [a - b for a, b in zip(after[gi], before[gi])]
             assert g.weight_norm == pytest.approx(_norm(after[gi]), rel=1e-5)
