@@ -303,17 +303,22 @@ class CallbackSession:
 
     def _at_exit(self) -> None:
         if self.hunt is not None:
+            _exiting[0] = True  # the summary goes out now, after the script's own output
             self.finish("crashed", error="the process ended during training")
 
     def _summarise(self, trace: Any) -> None:
-        from nanhunt.report import render_terminal
         from nanhunt.report.files import REPORT_FORMATS
 
         if not self.quiet:
-            from rich.console import Console
-
-            console = Console(file=sys.stdout, highlight=False)
-            render_terminal(trace, console)
+            # never on stdout, never in the middle of the script's output (Lightning's test
+            # table follows fit): on stderr when the process ends, as the CLI prints it after
+            # the script; at once in an interactive session, where the process does not end
+            if _interactive() or _exiting[0]:
+                _print_summaries([(trace, self.out_dir)])
+            else:
+                if not _pending:
+                    atexit.register(_print_pending)
+                _pending.append((trace, self.out_dir))
         paths = ", ".join(str(self.out_dir / name) for name in REPORT_FORMATS.values())
         if trace.problem and trace.first_failure is not None:
             headline = f"nanhunt: problem at {trace.first_failure.where()}"
@@ -322,6 +327,34 @@ class CallbackSession:
         else:
             headline = "nanhunt: no non-finite value or range problem found"
         (_log.warning if trace.problem else _log.info)("%s; reports: %s", headline, paths)
+
+
+_pending: list[tuple[Any, Path | None]] = []  # summaries printed when the process ends
+_exiting = [False]
+
+
+def _interactive() -> bool:
+    """A REPL, ``python -i`` or a notebook kernel: nothing waits for the process to end."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "ipykernel" in sys.modules
+
+
+def _print_pending() -> None:
+    _exiting[0] = True
+    done, _pending[:] = list(_pending), []
+    _print_summaries(done)
+
+
+def _print_summaries(items: list[tuple[Any, Path | None]]) -> None:
+    from rich.console import Console
+
+    from nanhunt.report import render_terminal
+
+    console = Console(stderr=True, highlight=False)
+    for trace, out_dir in items:
+        # the first line says whose block this is: everything above it is the script's
+        console.print(f"nanhunt: the training callback's summary (reports in {out_dir})",
+                      soft_wrap=True)
+        render_terminal(trace, console)
 
 
 def _sentinel_class() -> Any:

@@ -37,7 +37,8 @@ class NanhuntCallback(Callback):
     the first non-finite value appeared it sets ``trainer.should_stop`` (unless
     ``keep_going=True``); when training ends it writes report.json, report.html and
     report.txt into ``out`` (default ``<trainer.log_dir>/nanhunt-report``) on global rank 0,
-    prints the summary, and logs a one-line headline to the ``nanhunt`` logger.
+    logs a one-line headline to the ``nanhunt`` logger, and prints the summary on stderr when
+    the process ends (at once in a notebook or REPL): the script's stdout stays its own.
 
     Steps are optimizer steps, numbered like ``trainer.global_step`` (0-based: the step that
     ran while ``trainer.global_step`` was 5 is nanhunt's step 5); with

@@ -37,7 +37,8 @@ class NanhuntCallback(TrainerCallback):
     non-finite value appeared it sets ``control.should_training_stop`` (unless
     ``keep_going=True``); when training ends it writes report.json, report.html and report.txt
     into ``out`` (default ``<args.output_dir>/nanhunt-report``) on the main process, prints the
-    summary and logs a headline to the ``nanhunt`` logger.
+    summary on stderr when the process ends (at once in a notebook or REPL) and logs a headline
+    to the ``nanhunt`` logger.
 
     Steps are optimizer steps numbered like ``state.global_step`` before the step (0-based): the
     Trainer's log line for a step whose loss was NaN shows the loss ``logging_nan_inf_filter``

@@ -88,6 +88,24 @@ def test_bf16_nan_batch_callback_stops_at_step_5(run_callback, arch):
     assert (run.out / "report.html").exists() and (run.out / "report.txt").exists()
 
 
+def test_the_summary_never_joins_the_scripts_stdout(run_callback, capsys):
+    """The script's stdout is only what it printed; the summary waits for the process's end
+    and goes to stderr, under a first line that starts with 'nanhunt'."""
+    from nanhunt.integrations import _session
+
+    run = run_callback(NAN_BATCH)  # not quiet
+    script_lines = [ln for ln in run.stdout.splitlines() if ln.strip()]
+    assert script_lines and all(_LINE.match(ln) or ln.startswith("done global_step")
+                                for ln in script_lines), script_lines[-5:]
+    assert [out for _, out in _session._pending] == [run.out]
+    _session._print_pending()  # what the interpreter's exit runs
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    first = captured.err.splitlines()[0]
+    assert first == f"nanhunt: the training callback's summary (reports in {run.out})"
+    assert "step 5" in captured.err and not _session._pending
+
+
 def test_keep_going_trains_to_the_end(run_callback):
     run = run_callback(NAN_BATCH, "--keep-going")
     assert run.failure[:2] == (5, "data")
