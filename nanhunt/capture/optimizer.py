@@ -96,6 +96,8 @@ class OptimizerObserver(Part):
                 self.s.optimizer_snapshot is None and self.check_params:
             self._copy_before_step(optimizer)
         self.s._optimizer_ran_step = self.s._step
+        if self.cur.lr is None and optimizer is self.s._lr_optimizer():
+            self.cur.lr = self.s._lr_of(optimizer)  # what it steps with (global pre-hooks ran)
         self.rec.data_for(self.s._step).optimizer_ran = True  # known on the host: no transfer
         # the norm of what this optimizer steps on (a GAN's other model may hold gradients
         # that no optimizer uses, still scaled)

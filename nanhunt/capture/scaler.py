@@ -65,6 +65,8 @@ class ScalerObserver(Part):
         if found:
             self.rec.scalar(sum(f.to(scaler._scale.device) for f in found), "found_inf")
         self.rec.scalar(scaler._scale.clone(), "scale_before")
+        if self.cur.lr is None:  # a skipped step: the lr its optimizer would have stepped with
+            self.cur.lr = self.s._current_lr()
         return True
 
     def _after_update(self, scaler: Any) -> None:

@@ -425,7 +425,7 @@ class Session:
         self._target_auto = False  # one format for the whole run
         rec = self.recorder.step_record(self._step)
         rec.traced = self.cur.traced
-        rec.lr = self._current_lr()
+        rec.lr = self.cur.lr if self.cur.lr is not None else self._current_lr()
         self._trained = self._trained or self.cur.did_backward
         self.cur.clear_handles()
         if self.on_step is not None:
@@ -443,8 +443,16 @@ class Session:
     def _current_lr(self) -> float | None:
         """The first optimizer's learning rate, read on the host: a scheduler that advances on
         steps GradScaler skipped shows as an lr that moves while nothing was applied."""
+        return self._lr_of(self._lr_optimizer())
+
+    def _lr_optimizer(self) -> Any:
+        """The optimizer whose learning rate the steps record: the one given, else the first
+        the script made."""
         ref = self._optimizer_ref or self._first_optimizer
-        opt = ref() if ref is not None else None
+        return ref() if ref is not None else None
+
+    @staticmethod
+    def _lr_of(opt: Any) -> float | None:
         if opt is None or not getattr(opt, "param_groups", None):
             return None
         lr = opt.param_groups[0].get("lr")

@@ -166,6 +166,10 @@ class StepState:
         self.scaled_losses: list[weakref.ref] = []  # by identity: ids of freed ones are reused
         self.transferred = False
         self.step_scaler = False
+        # the learning rate the step's optimizer stepped with (read in its pre-hook, after a
+        # --fix's factor; with GradScaler, when it skipped the step): a schedule's next value,
+        # set after the step, is not this step's
+        self.lr: float | None = None
         self.traced = True  # the step began with full tracing (not skipped by --sample-every)
         # (id(optimizer), its copy before this step's update): kept if the update goes bad
         self.optimizer_copy: tuple[int, OptimizerSnapshot] | None = None

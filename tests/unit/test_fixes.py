@@ -253,3 +253,23 @@ def test_lr_factor_acts_on_a_schedule_that_sets_absolute_values():
     # the script still sees the values it set (its own prints and checkpoints are unchanged)
     assert [ln.split(" lr ")[1] for ln in installed] == [ln.split(" lr ")[1] for ln in plain]
     assert any("sets the learning rate itself" in n for n in fixes.notes), fixes.notes
+
+
+@pytest.mark.parametrize("factor", [None, "0.1"])
+def test_each_step_records_the_lr_its_optimizer_stepped_with(factor):
+    """The schedule sets the next value after printing, and under lr-factor the script gets its
+    own value back after the step: the recorded lr is what the update used, which is the value
+    the by-hand run (--scale) printed for that step."""
+    import nanhunt
+
+    script = SCRIPTS / "lr_schedule_absolute.py"
+    fixes = install([parse_fix(f"lr-factor={factor}")]) if factor else None
+    try:
+        with nanhunt.watch() as hunt:
+            run_script(script, [])
+    finally:
+        if fixes is not None:
+            fixes.uninstall()
+    by_hand = run_script(script, ["--scale", factor or "1.0"])
+    used = [float(ln.split(" lr ")[1]) for ln in by_hand]
+    assert [s.lr for s in hunt.steps] == used
