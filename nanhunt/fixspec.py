@@ -12,11 +12,18 @@ A spec names one change a user could make to their training script::
                                 (OP: log, log2, log10, sqrt, rsqrt, reciprocal, div, pow)
     eps:PATTERN=VALUE           set these normalisation modules' eps (eps, variance_epsilon,
                                 epsilon attributes)
+    zloss:PATTERN=COEF          add COEF x mean(logsumexp(output)^2) of these modules' outputs
+                                (the logits) to the script's loss, at its cross_entropy/nll_loss
+    cap:PATTERN=VALUE           inside these modules, soft-cap every softmax's input:
+                                VALUE x tanh(x / VALUE) (masked -inf entries stay masked)
     opt-eps=VALUE               every optimizer's eps
     init-scale=VALUE            GradScaler's init_scale
     growth-interval=N           GradScaler's growth_interval
     clip=MAX_NORM               clip_grad_norm_ after unscale_, before each optimizer step
     lr-factor=F                 multiply every optimizer's learning rate by F
+    warmup=N                    linear warm-up: the k-th optimizer step (from 0) uses
+                                min(1, (k+1)/N) x the lr the script set for it (composes
+                                with the script's own schedule)
     fp32-master                 float32 master weights for a half-precision model
     fp32-all                    float32 everywhere: autocast off, the script's .half() and
                                 .to(float16|bfloat16) no-ops, GradScaler disabled
@@ -59,8 +66,9 @@ __all__ = [
 #: ops whose input a floor keeps at or above a value (div: the denominator)
 FLOOR_OPS = ("log", "log2", "log10", "sqrt", "rsqrt", "reciprocal", "div", "pow")
 #: kinds that name modules by a pattern
-MODULE_KINDS = ("fp32", "clamp", "floor", "eps")
-_VALUE_KINDS = ("opt-eps", "init-scale", "growth-interval", "clip", "lr-factor", "skip-batch")
+MODULE_KINDS = ("fp32", "clamp", "floor", "eps", "zloss", "cap")
+_VALUE_KINDS = ("opt-eps", "init-scale", "growth-interval", "clip", "lr-factor", "warmup",
+                "skip-batch")
 #: kinds with no value or pattern
 BARE_KINDS = ("fp32-master", "fp32-all", "bf16", "no-scaler")
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
@@ -84,7 +92,7 @@ class FixSpec:
         if self.kind == "fp32":
             ends = ",".join(self.patterns[len(self.starts):])
             return "fp32:" + (",".join(self.starts) + ".." if self.starts else "") + ends
-        if self.kind in ("clamp", "eps"):
+        if self.kind in ("clamp", "eps", "zloss", "cap"):
             return f"{self.kind}:{self.patterns[0]}={number(self.value)}"
         if self.kind == "floor":
             return f"floor:{self.patterns[0]}:{self.op}={number(self.value)}"
@@ -143,13 +151,14 @@ def parse_fix(text: str) -> FixSpec:
     name, eq, value = spec.partition("=")
     if eq and name in _VALUE_KINDS:
         v = _value(value, spec)
-        if name in ("growth-interval", "skip-batch") and not v.is_integer():
+        if name in ("growth-interval", "skip-batch", "warmup") and not v.is_integer():
             raise NanhuntError(f"--fix {spec}: {name} is a whole number of steps")
         return FixSpec(name, (), v)
     raise NanhuntError(
         f"--fix {spec}: unknown fix (fp32:PATTERN, clamp:PATTERN=V, floor:PATTERN:OP=V, "
-        "eps:PATTERN=V, opt-eps=V, init-scale=V, growth-interval=N, clip=V, lr-factor=F, "
-        "fp32-master, fp32-all, bf16, no-scaler, skip-batch=N)")
+        "eps:PATTERN=V, zloss:PATTERN=C, cap:PATTERN=V, opt-eps=V, init-scale=V, "
+        "growth-interval=N, clip=V, lr-factor=F, warmup=N, fp32-master, fp32-all, bf16, "
+        "no-scaler, skip-batch=N)")
 
 
 # ----------------------------------------------------------------------------- snippets
@@ -256,6 +265,27 @@ def step_with_fp32_master(optimizer, masters):
 '''
 
 
+WARMUP_HELPER = '''\
+def add_lr_warmup(optimizer, steps):
+    """Linear warm-up on top of any schedule: the k-th optimizer step (from 0)
+    uses min(1, (k + 1) / steps) x the lr the script set for it."""
+    done, saved = [0], []
+
+    def before(opt, args, kwargs):
+        saved[:] = [group["lr"] for group in opt.param_groups]
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * min(1.0, (done[0] + 1) / steps)
+
+    def after(opt, args, kwargs):
+        for group, lr in zip(opt.param_groups, saved):
+            group["lr"] = lr  # the script's own value back
+        done[0] += 1
+
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
+'''
+
+
 def snippet(specs: list[FixSpec], ctx: SnippetContext) -> Snippet:
     """The code that makes the same change as installing ``specs``."""
     parts: list[Snippet] = [_one(s, ctx) for s in specs]
@@ -312,7 +342,25 @@ def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
         ]))
     if spec.kind == "floor":
         return Snippet(_floor_snippet(spec, ctx))
+    if spec.kind == "zloss":
+        return Snippet("\n".join([
+            f"# after the loss; logits: the output of {spec.patterns[0]} in this step's forward",
+            f"loss = loss + {v} * logits.float().logsumexp(-1).pow(2).mean()  # z-loss",
+        ]))
+    if spec.kind == "cap":
+        return Snippet("\n".join([
+            "import torch",
+            "",
+            f"# in the forward of {spec.patterns[0]}: the softmax's input (att), before its mask",
+            f"att = {v} * torch.tanh(att / {v})  # soft-cap the attention logits at {v}",
+        ]))
     opt = ctx.optimizer
+    if spec.kind == "warmup" and opt is None:
+        return Snippet(f"lr_now = lr * min(1.0, (step + 1) / {v})  # the lr your own update "
+                       "uses at each step (step from 0)")
+    if spec.kind == "warmup":
+        return Snippet(f"add_lr_warmup({opt}, {v})  # once, after the optimizer is made",
+                       WARMUP_HELPER)
     if spec.kind == "lr-factor" and opt is None:
         return Snippet(f"lr = lr * {v}  # the learning rate your own weight update uses")
     if spec.kind == "clip" and opt is None:

@@ -425,6 +425,7 @@ class OptimizerInfo:
     # how the script's code refers to it ("optimizer", "opt", "self.optimizer"); None when no
     # variable of the script's holds it
     name: str | None = None
+    beta2: float | None = None  # the second-moment decay (Adam's betas[1]); None without one
 
 
 @dataclass

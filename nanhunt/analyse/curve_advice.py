@@ -3,9 +3,10 @@
 Each builder reads one finding and the trace's signals and returns a recommendation with its
 values computed: the learning rate from the param group's update-to-weight ratio, a warm-up
 length from Adam's second-moment horizon, a z-loss coefficient, clipping from healthy gradient
-norms. The installable ones are ``--fix`` specs (``lr-factor``, ``clip``, ``fp32-master``);
-the rest (qk-layernorm, a z-loss, a warm-up) are code changes, printed as snippets, not
-verified.
+norms, a soft cap from the attention logits' healthy range. The installable ones are ``--fix``
+specs (``lr-factor``, ``clip``, ``fp32-master``, ``zloss``, ``cap``, ``warmup``) that re-run
+verification tries; qk-layernorm and float32 master weights made by the code are snippets,
+not verified.
 """
 
 from __future__ import annotations
@@ -15,10 +16,16 @@ import statistics
 from collections.abc import Callable
 
 from nanhunt.analyse.diagnose import Context
-from nanhunt.analyse.diagnose.curves import UPDATE_RATIO_TARGET, Z_LOSS, group_ratios
+from nanhunt.analyse.diagnose.curves import (
+    LOGIT_LIMIT,
+    UPDATE_RATIO_TARGET,
+    Z_LOSS,
+    group_ratios,
+    losses,
+)
 from nanhunt.trace import Finding, Recommendation, Trace
 
-__all__ = ["CURVE_ADVICE", "lr_from_update_ratio", "warmup_steps"]
+__all__ = ["CURVE_ADVICE", "logit_cap", "lr_from_update_ratio", "warmup_steps", "z_loss_coef"]
 
 #: Adam's beta2 when nothing else is known (torch's default)
 _BETA2 = 0.999
@@ -32,6 +39,35 @@ def lr_from_update_ratio(lr: float, ratio: float, target: float = UPDATE_RATIO_T
         return 0.1
     f = target / ratio
     return max(1e-4, min(0.1, 10.0 ** math.floor(math.log10(f))))
+
+
+def z_loss_coef(healthy: float, grown: float, loss_first: float, loss_grown: float,
+                default: float = Z_LOSS) -> tuple[float, float, float]:
+    """(the coefficient, the smallest that pushes back, the largest that leaves healthy training
+    alone): the z term is about coef x logsumexp(logits)^2, at least coef x max|logit|^2 once
+    the logits are large. It should reach the loss at the logits the run grew to (coef x grown^2
+    >= the loss there) and stay under 1% of the loss at its first, healthy logits (coef x
+    healthy^2 <= 0.01 x the first loss). ``default`` (PaLM's 1e-4) clamped into that range by
+    powers of ten; the default when the range is empty."""
+    low = loss_grown / grown ** 2 if grown > 0 else 0.0
+    high = 0.01 * loss_first / max(healthy, 1.0) ** 2
+    coef = default
+    if 0 < low <= high:
+        if coef < low:
+            coef = 10.0 ** math.ceil(math.log10(low))
+        elif coef > high:
+            coef = 10.0 ** math.floor(math.log10(high))
+    return float(f"{coef:.3g}"), low, high
+
+
+def logit_cap(healthy: float) -> float:
+    """A soft cap for attention logits whose first, healthy largest value was ``healthy``: 4x
+    it (cap x tanh(x / cap) keeps 98% of a logit a quarter of the cap), at least 20 (a spread
+    of 40 between capped extremes is e^-40: no softmax needs more), rounded up to 1, 2 or 5
+    times a power of ten."""
+    want = max(4.0 * healthy, 20.0)
+    base = 10.0 ** math.floor(math.log10(want))
+    return next(m * base for m in (1.0, 2.0, 5.0, 10.0) if m * base >= want * (1 - 1e-12))
 
 
 def warmup_steps(beta2: float = _BETA2) -> int:
@@ -77,25 +113,22 @@ def _warmup(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | No
     warm = [s.lr for s in sorted(trace.steps, key=lambda s: s.index)[:5] if s.lr is not None]
     if len(set(warm)) > 1 and warm == sorted(warm):
         return None  # the lr already warms up
-    n = warmup_steps()
+    beta2 = next((o.beta2 for o in trace.optimizers if o.beta2 is not None), None)
+    n = warmup_steps(beta2 if beta2 is not None and 0 < beta2 < 1 else _BETA2)
     why = (f"Adam's second-moment estimate needs about 2 / (1 - beta2) = {n} steps (beta2 "
-           f"{_BETA2}) before its steps are as small as they will be" if adam else
+           f"{beta2 if beta2 is not None else _BETA2:g}"
+           + ("" if beta2 is not None else ", torch's default: the script's was not recorded")
+           + ") before its steps are as small as they will be (Ma & Yarats 2021)" if adam else
            f"{n} steps, the untuned rule of thumb for adaptive optimizers; shorter may do")
-    snippet = "\n".join([
-        "import torch",
-        "",
-        f"warmup_steps = {n}",
-        "scheduler = torch.optim.lr_scheduler.LambdaLR(",
-        "    optimizer, lambda step: min(1.0, (step + 1) / warmup_steps))",
-        "# after each optimizer.step() (scaler.step(optimizer)):",
-        "scheduler.step()",
-    ])
-    return Recommendation(
-        type="lr_warmup", value=n, snippet=snippet, code_change=True,
-        verification="not verified: a code change (a schedule nanhunt cannot install)",
-        evidence=[f"the lr was the same from the first step ({warm[0]:g})" if warm else
-                  "no warm-up was seen", why,
-                  "a post-LN transformer needs warm-up to train at all (Xiong et al. 2020)"])
+    run = len(trace.steps)
+    evidence = [f"the lr was the same from the first step ({warm[0]:g})" if warm else
+                "no warm-up was seen", why,
+                "a post-LN transformer needs warm-up to train at all (Xiong et al. 2020)"]
+    if n > run:
+        evidence.append(f"longer than this run ({run} steps): it ran at most "
+                        f"{run / n:.2g} of its lr")
+    return Recommendation(type="lr_warmup", value=n, snippet="", evidence=evidence,
+                          data={"beta2": beta2})
 
 
 def _qk_layernorm(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
@@ -122,21 +155,57 @@ def _qk_layernorm(trace: Trace, ctx: Context, finding: Finding) -> Recommendatio
                   "the fix Wortsman et al. (2023) and Dehghani et al. (2023, ViT-22B) use"])
 
 
-def _z_loss(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
-    if finding.kind != "logit_growth" or finding.data.get("signal") != "output_logit":
+def _loss_at(trace: Trace, step: int | None) -> float | None:
+    pts = losses(trace)
+    if not pts:
         return None
-    snippet = "\n".join([
-        f"z_loss = {Z_LOSS:g}",
-        "# logits: the model's output before the loss, shape (..., classes)",
-        "loss = loss + z_loss * logits.float().logsumexp(-1).pow(2).mean()",
-    ])
+    if step is None:
+        return pts[-1][1]
+    return min(pts, key=lambda p: abs(p[0] - step))[1]
+
+
+def _z_loss(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    if finding.kind != "logit_growth" or finding.data.get("signal") != "output_logit" \
+            or not finding.module:
+        return None
+    healthy, grown = float(finding.data.get("from") or 0), float(finding.data.get("to") or 0)
+    pts = losses(trace)
+    first = pts[0][1] if pts else 1.0
+    at = _loss_at(trace, finding.data.get("crossed_step", finding.step)) or first
+    coef, low, high = z_loss_coef(healthy, grown, first, at)
+    evidence = [f"the output logits of {finding.module} grew from {healthy:.3g} to {grown:.3g}",
+                "a z-loss adds coef x logsumexp(logits)^2 to the loss: it keeps the softmax's "
+                "normaliser near 0, so the logits cannot drift (PaLM; Wortsman et al. 2023)"]
+    if 0 < low <= high:
+        evidence.append(f"coef {coef:g}: at the logits the run reached the term is at least "
+                        f"{coef * grown ** 2:.3g} (the loss there: {at:.3g}; it pushes back "
+                        f"from coef {low:.2g}); at its first logits it is at most about "
+                        f"{coef * max(healthy, 1.0) ** 2:.2g}, under 1% of the first loss "
+                        f"{first:.3g} (up to coef {high:.2g})")
+    else:
+        evidence.append(f"coef {coef:g} (PaLM's): the logits did not grow far enough past "
+                        "their first values to compute one from this run")
+    return Recommendation(type="z_loss", value=coef, module=finding.module, snippet="",
+                          evidence=evidence, data={"from": healthy, "to": grown})
+
+
+def _logit_cap(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    if finding.kind != "logit_growth" or finding.data.get("signal") != "attention_logit" \
+            or not finding.module:
+        return None
+    healthy = float(finding.data.get("from") or 0)
+    cap = logit_cap(healthy)
     return Recommendation(
-        type="z_loss", value=Z_LOSS, module=finding.module, snippet=snippet, code_change=True,
-        verification="not verified: a change to the loss",
-        evidence=[f"the output logits of {finding.module} grew from "
-                  f"{finding.data.get('from', 0):.3g} to {finding.data.get('to', 0):.3g}",
-                  f"a z-loss of {Z_LOSS:g} x logsumexp(logits)^2 keeps the softmax's "
-                  "normaliser near 0, so the logits cannot drift (PaLM; Wortsman et al. 2023)"])
+        type="logit_cap", value=cap, module=finding.module, snippet="",
+        evidence=[f"the attention logits in {finding.module} grew from {healthy:.3g} to "
+                  f"{float(finding.data.get('to') or 0):.3g}; above {LOGIT_LIMIT:g} apart a "
+                  "softmax is one-hot and passes no gradient",
+                  f"a soft cap cap x tanh(x / cap) at {cap:g} (4x the first largest logit, at "
+                  "least 20) bounds them and leaves the healthy ones nearly as they were "
+                  "(Gemma 2 caps attention logits at 50)",
+                  "qk-layernorm removes the cause; the cap is the fix nanhunt can install and "
+                  "verify by re-running the script"],
+        data={"from": healthy})
 
 
 def _fp32_weights(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
@@ -180,8 +249,8 @@ Builder = Callable[[Trace, Context, Finding], Recommendation | None]
 
 #: rule id -> builders, most relevant first (merged into advise.ADVICE)
 CURVE_ADVICE: dict[str, tuple[Builder, ...]] = {
-    "logit-growth": (_qk_layernorm, _z_loss, _lower_lr, _warmup),
-    "loss-divergence": (_qk_layernorm, _z_loss, _lower_lr, _clip, _warmup),
-    "loss-spike": (_qk_layernorm, _z_loss, _lower_lr, _clip, _warmup),
+    "logit-growth": (_qk_layernorm, _logit_cap, _z_loss, _lower_lr, _warmup),
+    "loss-divergence": (_qk_layernorm, _logit_cap, _z_loss, _lower_lr, _clip, _warmup),
+    "loss-spike": (_qk_layernorm, _logit_cap, _z_loss, _lower_lr, _clip, _warmup),
     "loss-stall": (_fp32_weights,),
 }

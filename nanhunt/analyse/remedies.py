@@ -22,15 +22,16 @@ from nanhunt.trace import Recommendation, Trace
 __all__ = ["attach_fixes", "ladder", "verify_order"]
 
 #: fixes that act through a torch optimizer
-_OPTIMIZER_KINDS = ("opt-eps", "lr-factor", "clip", "fp32-master")
+_OPTIMIZER_KINDS = ("opt-eps", "lr-factor", "clip", "fp32-master", "warmup")
 #: types a fix spec installs; the others need a code change
 _INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "lower_lr",
-                "fp32_master_weights")
+                "fp32_master_weights", "z_loss", "logit_cap", "lr_warmup")
 #: which recommendation types re-run verification tries first (most likely to cure first):
 #: a floor removes the invalid op (an eps too, when the module has one), float32 keeps the
 #: values, a clamp only bounds a symptom
 _PRIORITY = {"clamp_op": 0, "eps": 1, "fp32_module": 2, "fp32_master_weights": 2,
-             "init_scale": 3, "clip_grad_norm": 4, "lower_lr": 5, "clamp": 6}
+             "init_scale": 3, "logit_cap": 3, "z_loss": 3, "lr_warmup": 4,
+             "clip_grad_norm": 4, "lower_lr": 5, "clamp": 6}
 _DEFAULT_GROWTH_INTERVAL = 2000
 
 
@@ -86,6 +87,11 @@ def specs_for(rec: Recommendation, trace: Trace) -> list[FixSpec]:
         return [parse_fix(f"lr-factor={number(float(rec.value))}")]
     if rec.type == "fp32_master_weights":
         return [parse_fix("fp32-master")]
+    if rec.type in ("z_loss", "logit_cap") and rec.module and rec.value:
+        kind = "zloss" if rec.type == "z_loss" else "cap"
+        return [parse_fix(f"{kind}:{rec.module}={number(float(rec.value))}")]
+    if rec.type == "lr_warmup" and rec.value:
+        return [parse_fix(f"warmup={int(rec.value)}")]
     return []
 
 
@@ -132,7 +138,8 @@ def _rename_optimizer(code: str, name: str) -> str:
 
 #: recommendation type -> the spec kinds whose value is the recommendation's value
 _VALUE_OF = {"init_scale": ("init-scale",), "clip_grad_norm": ("clip",),
-             "lower_lr": ("lr-factor",), "eps": ("eps", "opt-eps"), "clamp": ("clamp", "floor")}
+             "lower_lr": ("lr-factor",), "eps": ("eps", "opt-eps"), "clamp": ("clamp", "floor"),
+             "z_loss": ("zloss",), "logit_cap": ("cap",), "lr_warmup": ("warmup",)}
 
 
 def _take_values(rec: Recommendation, specs: list[FixSpec]) -> None:
@@ -176,7 +183,7 @@ def attach_fixes(trace: Trace) -> None:
     for rec in trace.recommendations:
         specs = specs_for(rec, trace) if rec.type in _INSTALLABLE else []
         if name is None and any(s.kind in _OPTIMIZER_KINDS for s in specs):
-            own = [s for s in specs if s.kind in ("clip", "lr-factor")]
+            own = [s for s in specs if s.kind in ("clip", "lr-factor", "warmup")]
             if own:
                 snip = snippet(own, context(trace, rec))
                 rec.snippet, rec.helper = snip.code, snip.helper
@@ -290,6 +297,10 @@ def ladder(rec: Recommendation, trace: Trace) -> list[list[str]]:
         rungs.append([f"clip={number((first.value or 1.0) / 10)}"])
     elif first.kind == "lr-factor":
         rungs.append([f"lr-factor={number((first.value or 1.0) / 10)}"])
+    elif first.kind == "zloss":
+        rungs.append([f"zloss:{first.patterns[0]}={number((first.value or 1e-4) * 10)}"])
+    elif first.kind == "cap":
+        rungs.append([f"cap:{first.patterns[0]}={number((first.value or 20.0) / 2)}"])
     seen: list[list[str]] = []
     for r in rungs:
         canon = [str(parse_fix(s)) for s in r]

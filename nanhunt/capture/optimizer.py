@@ -199,7 +199,7 @@ class OptimizerObserver(Part):
         return clip_grad_norm_
 
     def _describe(self, optimizer: Any) -> None:
-        """Its class and first group's lr and eps, once: what a step's arithmetic depends on."""
+        """Its class and first group's lr, eps and beta2, once: what a step's arithmetic uses."""
         group = optimizer.param_groups[0] if optimizer.param_groups else {}
         params = [p for g in optimizer.param_groups for p in g["params"]]
         source, line = user_frame()
@@ -210,8 +210,13 @@ class OptimizerObserver(Part):
                 v = float(v)
             return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
+        betas = group.get("betas")
+        beta2 = betas[1] if isinstance(betas, (tuple, list)) and len(betas) == 2 else None
+        if isinstance(beta2, torch.Tensor) and beta2.numel() == 1:
+            beta2 = float(beta2)
         self.s.optimizer_infos[id(optimizer)] = OptimizerInfo(
             type=type(optimizer).__name__, lr=number("lr"), eps=number("eps"),
+            beta2=float(beta2) if isinstance(beta2, (int, float)) else None,
             param_dtypes=sorted({str(p.dtype).removeprefix("torch.") for p in params}),
             params=len(params), source=source, source_line=line or None,
             name=_variable_path(optimizer))

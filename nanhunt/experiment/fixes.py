@@ -6,9 +6,11 @@ snippet makes, without editing the script: global module pre/post hooks run a re
 float32, clamp an output, enter a :class:`TorchFunctionMode` that floors an op's input, or set a
 norm's eps; a wrapper of ``Optimizer.__init__`` changes eps and the learning rate; a wrapper of
 ``GradScaler.__init__`` sets ``init_scale``; an optimizer step pre-hook clips the (unscaled)
-gradients or swaps in float32 master weights. Hooks and patches are removed, and patched
-methods restored to the exact objects, by :meth:`Fixes.uninstall`; what the fixes changed in
-the model or optimizer (an eps, a learning rate, float32 weights) stays, as with the snippet.
+gradients, swaps in float32 master weights or warms the learning rate up; a z-loss and a soft
+cap on attention logits are :mod:`nanhunt.experiment.curve_fixes`. Hooks and patches are
+removed, and patched methods restored to the exact objects, by :meth:`Fixes.uninstall`; what
+the fixes changed in the model or optimizer (an eps, a learning rate, float32 weights) stays,
+as with the snippet.
 
 Modules are named as nanhunt's reports name them (qualified names from the model, a root that
 is not the model by its variable name), so a module name from a report is a valid pattern.
@@ -46,6 +48,7 @@ from nanhunt._patching import patch
 from nanhunt.capture.naming import Naming
 from nanhunt.errors import NanhuntError
 from nanhunt.experiment import rungs
+from nanhunt.experiment.curve_fixes import SoftCap, Warmup, ZLoss
 from nanhunt.fixspec import FixSpec, number
 
 __all__ = ["FixMismatch", "Fixes", "RunFixes", "install"]
@@ -84,10 +87,13 @@ class _Plan:
     clamp: float | None = None
     floors: dict[str, float] = field(default_factory=dict)
     eps: float | None = None
+    zloss: float | None = None  # keep the output as logits of a z-loss with this coefficient
+    cap: float | None = None  # soft-cap the softmax inputs inside at this value
 
     @property
     def empty(self) -> bool:
-        return not (self.fp32 or self.clamp is not None or self.floors or self.eps is not None)
+        return not (self.fp32 or self.clamp is not None or self.floors or self.eps is not None
+                    or self.zloss is not None or self.cap is not None)
 
 
 class _FloorMode(TorchFunctionMode):
@@ -193,7 +199,11 @@ class Fixes:
         self._step_ends = 0
         kinds = {s.kind for s in self.specs}
         self._module_specs = [s for s in self.specs if s.patterns]
-        self._optimizer_specs = kinds & {"opt-eps", "lr-factor", "clip", "fp32-master"}
+        self._optimizer_specs = kinds & {"opt-eps", "lr-factor", "clip", "fp32-master", "warmup"}
+        warm = next((s.value for s in self.specs if s.kind == "warmup"), None)
+        self._warmup = Warmup(int(warm)) if warm else None
+        self._zloss = ZLoss(FixMismatch) if "zloss" in kinds else None
+        self._capped = [0]  # softmax calls a cap reached
         self._scaler_args = {
             "init_scale": next((s.value for s in self.specs if s.kind == "init-scale"), None),
             "growth_interval": next((int(s.value or 0) for s in self.specs
@@ -214,10 +224,12 @@ class Fixes:
                 self._patch(stack, torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
             if self._optimizer_specs or self._module_specs:
                 stack.enter_context(_O.register_optimizer_step_pre_hook(self._opt_pre))
-            if self._optimizer_specs & {"fp32-master", "lr-factor"}:
+            if self._optimizer_specs & {"fp32-master", "lr-factor", "warmup"}:
                 stack.enter_context(_O.register_optimizer_step_post_hook(self._opt_post))
             if any(v is not None for v in self._scaler_args.values()):
                 self._patch(stack, torch.amp.GradScaler, "__init__", self._wrap_scaler_init)
+            if self._zloss is not None:
+                self._zloss.install(stack)
             rungs.install([s for s in self.specs if s.kind in rungs.GLOBAL_KINDS], stack,
                           self.applied)
             self._stack = stack.pop_all()
@@ -294,6 +306,10 @@ class Fixes:
                     raise FixMismatch(f"--fix {spec}: {name} ({type(module).__name__}) has no "
                                       "eps attribute")
                 plan.eps = spec.value
+            elif spec.kind == "zloss":
+                plan.zloss = spec.value
+            elif spec.kind == "cap":
+                plan.cap = spec.value
         return plan
 
     # -- module hooks ---------------------------------------------------------------------
@@ -339,6 +355,8 @@ class Fixes:
             mode = _FloorMode(plan.floors)
             mode.__enter__()
             entered.append(mode)
+        if plan.cap is not None:
+            entered.append(SoftCap(plan.cap, self._capped).__enter__())
         self._calls.append((module, entered, plan.cast_back, low or self._low))
         return args if plan.fp32 else None
 
@@ -364,6 +382,8 @@ class Fixes:
                 raise FixMismatch(f"--fix clamp: {self._names.of.get(module)} returns a "
                                   f"{type(output).__name__}, not a tensor")
             output = output.clamp(-plan.clamp, plan.clamp)
+        if plan.zloss is not None and self._zloss is not None:
+            self._zloss.keep(output, plan.zloss)
         return output
 
     # -- optimizer and scaler -------------------------------------------------------------
@@ -416,6 +436,9 @@ class Fixes:
                 raise FixMismatch(message)
         if self._lr_factor is not None:
             self._lr_factor_now(optimizer)
+        if self._warmup is not None:
+            self._warmup.before(optimizer)  # after lr-factor: it scales the factored lr
+            self.applied[f"warmup={self._warmup.steps}"].add(type(optimizer).__name__)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         for spec in self.specs:
             if spec.kind == "clip":
@@ -459,10 +482,25 @@ class Fixes:
         self._step_ends += 1
         if trained and self._optimizer_specs and not self._optimizers:
             raise FixMismatch(self._no_optimizer())
+        if self._zloss is not None and trained:
+            if self._zloss.pending and not self._zloss.added:
+                spec = next(s for s in self.specs if s.kind == "zloss")
+                raise FixMismatch(
+                    f"--fix {spec}: the output of {', '.join(sorted(self.applied[str(spec)]))} "
+                    "reached no F.cross_entropy or F.nll_loss (nn.CrossEntropyLoss, "
+                    "nn.NLLLoss) in this step: add the z term to the script's own loss (the "
+                    "snippet)")
+            self._zloss.pending.clear()
+        cap = next((s for s in self.specs if s.kind == "cap"), None)
+        if cap is not None and trained and self.applied[str(cap)] and not self._capped[0]:
+            raise FixMismatch(
+                f"--fix {cap}: {', '.join(sorted(self.applied[str(cap)]))} called no softmax "
+                "(torch.softmax, F.softmax, Tensor.softmax) in this step; a fused "
+                "F.scaled_dot_product_attention computes its softmax where no cap can reach it")
 
     def _no_optimizer(self) -> str:
         specs = ", ".join(str(s) for s in self.specs
-                          if s.kind in ("opt-eps", "lr-factor", "clip", "fp32-master"))
+                          if s.kind in ("opt-eps", "lr-factor", "clip", "fp32-master", "warmup"))
         return (f"--fix {specs}: the script trains with no torch optimizer (it updates its "
                 "weights itself), and this fix acts through one; change the script's own "
                 "update instead")
@@ -482,6 +520,8 @@ class Fixes:
             self._swapped.append((p, half, grad))
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._warmup is not None:
+            self._warmup.after(optimizer)
         for g, script_lr in self._lr_restore:
             g["lr"] = script_lr
         self._lr_restore = []

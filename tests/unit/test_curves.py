@@ -186,13 +186,36 @@ def test_output_logit_growth_advises_a_z_loss_and_attention_a_qk_layernorm():
     t = trace_of(falling(n), layers=[lay("body", fwd=[1.0] * n), lay("head", fwd=head)])
     advise(t)
     z = next(r for r in t.recommendations if r.type == "z_loss")
-    assert z.value == 1e-4 and z.code_change and "logsumexp(-1).pow(2)" in z.snippet
+    loss = dict(curves.losses(t))
+    # strong enough at the grown logits (the term reaches the loss there), under 1% of the first
+    # loss at the first logits: PaLM's 1e-4 is both here
+    assert z.value * max(head) ** 2 >= loss[3] and z.value * head[0] ** 2 <= 0.01 * loss[0]
+    assert z.value == 1e-4 and z.fix == ["zloss:head=0.0001"] and not z.code_change
+    assert "logsumexp(-1).pow(2)" in z.snippet
     t = trace_of(falling(n), layers=[
         lay("blocks.0.attn", "Attention", fwd=[1.0] * n, logits=[1.5] + [500.0] * (n - 1)),
         lay("head", fwd=[2.0] * n)])
     advise(t)
     qk = next(r for r in t.recommendations if r.type == "qk_layernorm")
     assert qk.module == "blocks.0.attn" and "q_norm" in qk.snippet and not qk.verified
+    cap = next(r for r in t.recommendations if r.type == "logit_cap")
+    assert cap.fix == ["cap:blocks.0.attn=20"]  # 4x the first logit 1.5 is 6: at least 20
+    assert "torch.tanh(att / 20)" in cap.snippet
+
+
+@pytest.mark.parametrize(("healthy", "grown", "loss", "want"), [
+    (1.0, 100.0, 3.0, 1e-3),  # 1e-4 x 100^2 = 1 < 3: too weak; 1e-3 reaches it
+    (20.0, 1e4, 3.0, 1e-5),  # 1e-4 x 20^2 = 0.04 > 1% of 3: too strong for healthy logits
+    (2.0, 200.0, 3.0, 1e-4),  # PaLM's: 4 at the grown logits, 4e-4 at the first
+])
+def test_z_loss_coefficient_between_pushing_back_and_leaving_healthy_logits(
+        healthy, grown, loss, want):
+    from nanhunt.analyse.curve_advice import z_loss_coef
+
+    coef, low, high = z_loss_coef(healthy, grown, loss, loss)
+    assert low <= coef <= high
+    assert coef == want
+    assert coef * grown ** 2 >= loss and coef * healthy ** 2 <= 0.01 * loss
 
 
 def test_healthy_logits_in_the_tens_are_quiet():
