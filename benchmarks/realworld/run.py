@@ -49,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 SOURCES = HERE / "sources"
 STANDINS = HERE / "standins"
-LOCATOR = REPO / "benchmarks" / "redteam" / "tools" / "locate_first.py"
+LOCATOR = HERE / "locate.py"  # locate_first.py, steps counted as the scripts count them
 COUNTER = HERE / "count_steps.py"
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_SCRIPT = 0, 1, 2, 3
@@ -127,6 +127,23 @@ def prepare_lightning(work: Path) -> None:
         torch.save((data, targets), d / name)
 
 
+def prepare_hf_clm(work: Path) -> None:
+    """run_clm.py reads a text file and a tokenizer folder (``--tokenizer_name``): a word-level
+    tokenizer over the word salad's words, built here with the ``tokenizers`` library."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    d = work / "data"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "train.txt").write_text(_text(300, 5), encoding="utf-8")
+    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", *sorted(set(_WORDS))])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
+                                   bos_token="<eos>", model_max_length=64)
+    fast.save_pretrained(str(work / "tokenizer"))
+
+
 # ----------------------------------------------------------------------------- the corpus
 
 
@@ -153,6 +170,9 @@ class Entry:
     # the script's own options that add nanhunt's framework callback ({report}: its folder)
     callback: list[str] = dataclasses.field(default_factory=list)
     differ_with_callback: list[str] = dataclasses.field(default_factory=list)  # files it names
+    # non-finite values the script makes on purpose (its README entry says which): locator
+    # events matching every key of one of these are not the failure
+    deliberate: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
 
 ENTRIES: list[Entry] = [
@@ -196,6 +216,8 @@ ENTRIES: list[Entry] = [
         outputs=["model.pt"],
         volatile=[r"ms/batch\s+\d+\.\d+", r"time:\s+\d+\.\d+s"],
         fix="clip=0.25", fix_exit=EXIT_USAGE,
+        # the causal mask: log(tril(ones)), -inf above the diagonal, absorbed by the softmax
+        deliberate=[{"op": "aten.log.default", "module": ""}],
         style="hand-written SGD (p.data.add_), no torch optimizer; torch.save(model) pickles "
               "the whole module",
     ),
@@ -266,6 +288,37 @@ ENTRIES: list[Entry] = [
         style="Lightning: LightningCLI flags, bf16-mixed autocast, Adam, checkpoint, test and "
               "predict from the best checkpoint",
     ),
+    Entry(
+        name="hf_run_clm",
+        upstream="huggingface/transformers", commit="00d481d18f914b55e65faa31e82321629691eadb",
+        files={
+            "examples/pytorch/language-modeling/run_clm.py":
+                "1031342ea9c5cf11710b669a2aea574154821f9c323184c9c9d38bfca58aac7e",
+            # the Apache-2.0 text as transformers 5.24.0's source distribution ships it
+            "LICENSE": "77fd4710def9ec3c0f6225800e0235f15a425abd4a8b03559127fcd782612049",
+        },
+        script="examples/pytorch/language-modeling/run_clm.py", cwd=".",
+        prepare=prepare_hf_clm,
+        healthy=["--model_type", "gpt2", "--tokenizer_name", "./tokenizer",
+                 "--config_overrides", "n_embd=32,n_layer=2,n_head=2,n_positions=64,"
+                 "vocab_size=134,bos_token_id=1,eos_token_id=1",
+                 "--train_file", "data/train.txt", "--cache_dir", "./cache", "--do_train",
+                 "--block_size", "32", "--per_device_train_batch_size", "4",
+                 "--max_steps", "8", "--bf16", "--use_cpu", "--output_dir", "out",
+                 "--report_to", "none", "--logging_steps", "2", "--save_strategy", "no",
+                 "--seed", "0", "--disable_tqdm", "true"],
+        failure=["--learning_rate", "1e20", "--max_grad_norm", "0"],
+        outputs=["out/model.safetensors", "out/config.json", "out/generation_config.json",
+                 "out/tokenizer*.json", "out/training_args.bin", "out/README.md"],
+        volatile=[r"\d\d/\d\d/\d{4} \d\d:\d\d:\d\d", r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+",
+                  r"default-[0-9a-f]{16}", r"cache-[0-9a-f]{16}",
+                  r"(?m)^.*(examples/s|it/s|s/it)\]?.*$",
+                  r"(runtime|per_second)('?:? *=? *'?)[\d:.]+"],
+        target="bfloat16",
+        style="Hugging Face Trainer (transformers 5): HfArgumentParser flags, datasets' text "
+              "loader and map cache, GPT-2 from a config, accelerate's bf16 autocast on CPU "
+              "(--bf16 --use_cpu), gradient clipping, safetensors checkpoint",
+    ),
 ]
 
 
@@ -328,6 +381,8 @@ def run(entry: Entry, work: Path, prefix: list[str], args: list[str], timeout: f
     except subprocess.TimeoutExpired as exc:
         rc, out, err = -9, _s(exc.stdout), _s(exc.stderr) + f"\n[timed out after {timeout}s]"
     res = RunResult(rc, out, err, time.monotonic() - t0, work)
+    for name, text in (("stdout", out), ("stderr", err)):  # kept beside the scratch copy
+        (work.parent / f"{work.name}.{name}").write_text(text, encoding="utf-8")
     report = work.parent / (work.name + "-report") / "report.json"
     if report.is_file():
         res.report = json.loads(report.read_text(encoding="utf-8"))
@@ -488,13 +543,17 @@ _EVENT = re.compile(r"^NONFINITE (\{.*\})$")
 
 
 def locate(entry: Entry, work: Path, args: list[str], timeout: float) -> dict | None:
-    res = run(entry, work, [str(LOCATOR), "--max-events", "1"], args, timeout)
+    import ast
+
+    res = run(entry, work, [str(LOCATOR), "--max-events", str(1 + 2 * len(entry.deliberate))],
+              args, timeout)
     for line in res.stdout.splitlines():
         m = _EVENT.match(line.strip())
         if m:
-            import ast
-
-            return ast.literal_eval(m.group(1))
+            event = ast.literal_eval(m.group(1))
+            if not any(all(str(event.get(k)) == v for k, v in d.items())
+                       for d in entry.deliberate):
+                return event
     return None
 
 
@@ -552,7 +611,7 @@ def check_entry(entry: Entry, modes: tuple[str, ...], root: Path, timeout: float
                     "sentinel": ["--mode", "sentinel", "--verify", "0"],
                     "sample": ["--sample-every", "3", "--verify", "0"],
                     "fix": ["--fix", entry.fix, "--verify", "0"],
-                    "verify": ["--verify", "2"], "audit": []}[mode]
+                    "verify": ["--verify", "2", "--jobs", "1"], "audit": []}[mode]
             res = run(entry, work, nanhunt("audit" if mode == "audit" else "diagnose", work,
                                            opts), args, timeout)
             log(f"  {entry.name}/{variant}/{mode}: rc={res.rc} ({res.seconds:.1f}s)")

@@ -66,7 +66,9 @@ class LossObserver(Part):
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             obs._guard(obs._before_backward, tensor)
-            return original(tensor, *args, **kwargs)
+            result = original(tensor, *args, **kwargs)
+            obs._guard(obs._after_backward)
+            return result
 
         backward.__wrapped__ = original  # type: ignore[attr-defined]
         return backward
@@ -84,6 +86,20 @@ class LossObserver(Part):
             if self.s._full:
                 self.s.autograd.hook_casts(tensor)
             self.cur.did_backward = True
+
+    def _after_backward(self) -> None:
+        """A loop with no torch optimizer updates its weights itself, after the backward (a
+        hand-written ``p.data.add_``, which no hook sees): the step's one transfer goes now,
+        while the weights are those the step read, so that a failing step is judged and its
+        culprit copied on them (at the next forward the script's update has overwritten
+        them)."""
+        s = self.s
+        if not s._active or _in_backward() or s._foreign_thread() or self.cur.transferred:
+            return
+        if self.cur.did_backward and not (s._saw_optimizer or s._optimizer_exists
+                                          or self.cur.step_scaler or s.scaler_seen) \
+                and s._closure_step != s._step:
+            s._flush()
 
     def _wrap_scale(self, original: Any) -> Any:
         obs = self

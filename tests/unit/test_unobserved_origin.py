@@ -85,3 +85,47 @@ def test_no_cause_is_named_for_weights_made_non_finite_unobserved(mode):
     d = trace.diagnosis
     assert d is not None and d.rule == "untraced-step" and d.kind == ""
     assert "no cause is named" in d.message and f"{f.module}.weight" in d.message
+
+
+# A failure made inside a step of such a loop, from finite weights: the script's own update,
+# after the step's backward, then writes NaN into every weight it touches. The step is judged
+# on the weights it read (its transfer goes as its backward returns, before that update), so
+# the origin is observed and named.
+
+SPIKE = 3
+
+
+def train_spike(session=None, finite_before=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    s = session(model) if session else None
+    with s if s is not None else _Null():
+        for step in range(STEPS):
+            if finite_before is not None:
+                finite_before.append(all(bool(torch.isfinite(p).all())
+                                         for p in model.parameters()))
+            batch = x * 1e25 if step == SPIKE else x  # LayerNorm's variance overflows
+            model.zero_grad()
+            nn.functional.mse_loss(model(batch), y).backward()
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+    return s
+
+
+def test_the_reference_weights_were_finite_when_the_spike_step_ran():
+    finite = []
+    train_spike(finite_before=finite)
+    assert finite[:SPIKE + 1] == [True] * (SPIKE + 1) and finite[SPIKE + 1] is False
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_step_is_judged_on_the_weights_it_read_not_those_the_script_wrote_after(mode):
+    session = {"full": lambda m: nanhunt.Hunt(m),
+               "sentinel": lambda m: nanhunt.sentinel(m, out=None)}[mode]
+    s = train_spike(session)
+    f = s.first_failure
+    assert (f.step, f.phase, f.module) == (SPIKE, "forward", "1")
+    assert f.observed is not False, f.detail
+    d = analyse(s.trace(), s.snapshot).diagnosis
+    assert d is not None and d.kind == "overflow" and d.rule != "untraced-step"
