@@ -64,6 +64,18 @@ def test_outputs_compare_after_masking_only_timings(rw, tmp_path):
     assert rw.same_output(entry, plain, noted, prefix=False) is None
 
 
+def test_a_nanhunt_block_after_the_scripts_stderr_is_not_the_scripts(rw, tmp_path):
+    entry = next(e for e in rw.ENTRIES if e.name == "lightning_classifier")
+    plain = _result(rw, tmp_path, "out\n", "warning: a\nwarning: b\n")
+    panel = "nanhunt: the training callback's summary (reports in r)\n| OK |\n+----+\n"
+    after = _result(rw, tmp_path, "out\n", plain.stderr + panel)
+    inside = _result(rw, tmp_path, "out\n", "warning: a\n" + panel + "warning: b\n")
+    on_stdout = _result(rw, tmp_path, "out\n" + panel, plain.stderr)
+    assert rw.same_output(entry, plain, after, prefix=False) is None
+    assert "stderr differs" in rw.same_output(entry, plain, inside, prefix=False)
+    assert "stdout differs" in rw.same_output(entry, plain, on_stdout, prefix=False)
+
+
 def test_an_entry_runs_only_from_its_pinned_files(rw, tmp_path, monkeypatch):
     entry = next(e for e in rw.ENTRIES if e.name == "mnist")
     monkeypatch.setattr(rw, "SOURCES", tmp_path)
