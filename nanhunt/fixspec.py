@@ -30,6 +30,10 @@ A spec names one change a user could make to their training script::
     bf16                        bfloat16 where the script uses float16 (autocast, casts)
     no-scaler                   GradScaler disabled (enabled=False)
     skip-batch=N                at step N, the model and loss modules get step N-1's inputs
+    comm-hook:bf16              DDP's gradient all-reduce in bfloat16 where the script
+                                registers fp16_compress_hook (bf16_compress_hook instead)
+    comm-hook:none              no DDP communication hook: the script's register_comm_hook
+                                is skipped, DDP all-reduces in the gradients' own dtype
 
 PATTERN is a glob over qualified module names (``fnmatch``: ``*`` also spans dots). The snippet
 (:func:`snippet`) is the same change written as code the user pastes; nanhunt.experiment.fixes
@@ -71,6 +75,8 @@ _VALUE_KINDS = ("opt-eps", "init-scale", "growth-interval", "clip", "lr-factor",
                 "skip-batch")
 #: kinds with no value or pattern
 BARE_KINDS = ("fp32-master", "fp32-all", "bf16", "no-scaler")
+#: comm-hook:CHOICE, what DDP's gradient all-reduce becomes
+COMM_HOOK_CHOICES = ("bf16", "none")
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
 
 
@@ -98,6 +104,8 @@ class FixSpec:
             return f"floor:{self.patterns[0]}:{self.op}={number(self.value)}"
         if self.kind in BARE_KINDS:
             return self.kind
+        if self.kind == "comm-hook":
+            return f"comm-hook:{self.op}"
         return f"{self.kind}={number(self.value)}"
 
 
@@ -126,6 +134,10 @@ def parse_fix(text: str) -> FixSpec:
     if spec in BARE_KINDS:
         return FixSpec(spec)
     kind, sep, rest = spec.partition(":")
+    if kind == "comm-hook":
+        if rest not in COMM_HOOK_CHOICES:
+            raise NanhuntError(f"--fix {spec}: expected comm-hook:bf16 or comm-hook:none")
+        return FixSpec("comm-hook", op=rest)
     if sep and kind in MODULE_KINDS:
         if kind == "fp32":
             start, dots, end = rest.rpartition("..")
@@ -158,7 +170,7 @@ def parse_fix(text: str) -> FixSpec:
         f"--fix {spec}: unknown fix (fp32:PATTERN, clamp:PATTERN=V, floor:PATTERN:OP=V, "
         "eps:PATTERN=V, zloss:PATTERN=C, cap:PATTERN=V, opt-eps=V, init-scale=V, "
         "growth-interval=N, clip=V, lr-factor=F, warmup=N, fp32-master, fp32-all, bf16, "
-        "no-scaler, skip-batch=N)")
+        "no-scaler, skip-batch=N, comm-hook:bf16|none)")
 
 
 # ----------------------------------------------------------------------------- snippets
@@ -398,6 +410,15 @@ def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
             "    loss = ...  # the forward and the loss, as before"]))
     if spec.kind == "no-scaler":
         return Snippet(f'scaler = torch.amp.GradScaler("{ctx.device}", enabled=False)')
+    if spec.kind == "comm-hook" and spec.op == "bf16":
+        return Snippet("\n".join([
+            "from torch.distributed.algorithms.ddp_comm_hooks import default_hooks",
+            "",
+            "# instead of fp16_compress_hook: bfloat16 has float32's range",
+            "model.register_comm_hook(None, default_hooks.bf16_compress_hook)"]))
+    if spec.kind == "comm-hook":
+        return Snippet("# no model.register_comm_hook(...): DDP then all-reduces the gradients "
+                       "in their own dtype")
     if spec.kind == "skip-batch":
         return Snippet(f"if step == {v}:\n    continue  # skip this batch (or clean it)")
     if spec.kind == "fp32-master":

@@ -55,7 +55,9 @@ SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
 #: Phases in execution order within a step.
-PHASES = ("data", "forward", "backward", "loss_scaling", "optimizer")
+#: ``communication``: the gradient reduction across ranks (DDP's all-reduce, through a
+#: communication hook when one is registered; FSDP2's reduce-scatter)
+PHASES = ("data", "forward", "backward", "communication", "loss_scaling", "optimizer")
 
 
 @dataclass
@@ -135,7 +137,9 @@ class TensorRecord:
     module: str  # qualified module name; "" when no module owns it (the loss, a parameter's update)
     # "input[0]", "output", "output['logits']", "grad_output[0]", "fc.weight.grad", "loss"
     tensor: str
-    role: str  # input | output | grad_output | grad_input | param_grad | param | loss | scaled_loss
+    # input | output | grad_output | grad_input | param_grad | reduced_grad | param | loss |
+    # scaled_loss (reduced_grad: a gradient after the reduction across ranks, phase communication)
+    role: str
     stats: TensorStats
     mutated: bool = False  # changed in place after it was summarised
 
@@ -272,6 +276,12 @@ class Failure:
     # False: the value's origin was not observed (the module read weights that were already
     # non-finite, made so by code nanhunt does not watch): no cause may be named from it
     observed: bool = True
+    # phase "communication": how the gradient was reduced ("DDP all-reduce through
+    # fp16_compress_hook", "FSDP2 reduce-scatter"), the dtype the reduction ran in when known,
+    # and this rank's own gradient before the reduction (None when it was not observed)
+    reduction: str = ""
+    reduce_dtype: str | None = None
+    local_grad: TensorStats | None = None
 
     def where(self) -> str:
         parts = [f"step {self.step}", self.phase]
@@ -613,6 +623,10 @@ class RunInfo:
     target_source: str = ""
     framework: str = ""  # "lightning 2.6.6", "transformers 5.24.0" when a callback recorded it
     mode: str = "full"  # full | sentinel: how the steps were watched
+    # DDP communication hooks registered on the model (by name), and each FSDP2 unit's
+    # MixedPrecisionPolicy by module name ({"param_dtype", "reduce_dtype", "output_dtype"})
+    comm_hooks: list[str] = field(default_factory=list)
+    fsdp_policies: dict[str, dict[str, str | None]] = field(default_factory=dict)
     fixes: list[str] = field(default_factory=list)  # --fix specs installed in this run
     rerun: bool = False  # a verification re-run (NANHUNT_RERUN=1)
     # the script's GradScaler as it built it: init_scale, growth_factor, backoff_factor,

@@ -1133,6 +1133,118 @@ def _scaler_usage(trace: Trace, ctx: Context, finding: Finding) -> Recommendatio
     )
 
 
+def _comm_hook(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    """bf16_compress_hook for fp16_compress_hook: bfloat16 keeps float32's range."""
+    if "fp16_compress_hook" not in trace.run.comm_hooks:
+        return None
+    if not trace.run.device.startswith(("cuda", "xpu")):
+        return None  # DDP refuses bf16_compress_hook without CUDA 11+ and NCCL 2.10+, or XPU
+    amax = finding.data.get("local_amax")
+    here = f" (amax {_n(amax)} here)" if amax is not None else ""
+    return Recommendation(
+        type="comm_hook", value="bf16_compress_hook", snippet="",
+        evidence=[f"bfloat16's max is {get_format('bfloat16').max:.3g}: the gradients{here} "
+                  "fit, at 8 bits of precision instead of float16's 11",
+                  "the same halved traffic"],
+        data={"hook": "bf16_compress_hook"})
+
+
+def _no_comm_hook(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    """No compression: DDP all-reduces in the gradients' own dtype."""
+    if not trace.run.comm_hooks:
+        return None
+    evidence = ["DDP's own all-reduce sums the gradients in their own dtype: twice the "
+                "traffic of a 16-bit compression"]
+    if "fp16_compress_hook" in trace.run.comm_hooks and \
+            not trace.run.device.startswith(("cuda", "xpu")):
+        evidence.append(f"bf16_compress_hook would keep the traffic halved, but DDP accepts it "
+                        f"only with CUDA 11+ and NCCL 2.10+ (or XPU); this run is on "
+                        f"{trace.run.device or 'cpu'}")
+    return Recommendation(
+        type="no_comm_hook", value="no hook", snippet="",
+        evidence=evidence,
+        data={"hooks": list(trace.run.comm_hooks)})
+
+
+def _fsdp_unit(trace: Trace, name: str) -> tuple[str, dict] | None:
+    """The FSDP2 unit whose policy a module runs under: the innermost unit containing it."""
+    best = None
+    for unit, policy in trace.run.fsdp_policies.items():
+        inside = unit == "" or name == unit or name.startswith(unit + ".")
+        if inside and (best is None or len(unit) > len(best[0])):
+            best = (unit, policy)
+    return best
+
+
+def _fsdp_reduce_dtype(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    """An FSDP2 reduce-scatter in float16 that overflowed: reduce in float32."""
+    if not str(finding.data.get("reduction", "")).startswith("FSDP2") or not finding.module:
+        return None
+    unit = _fsdp_unit(trace, finding.module)
+    if unit is None:
+        return None
+    name, policy = unit
+    param = policy.get("param_dtype")
+    code = "\n".join([
+        "import torch",
+        "from torch.distributed.fsdp import MixedPrecisionPolicy",
+        "",
+        "policy = MixedPrecisionPolicy("
+        + (f"param_dtype=torch.{param}, " if param else "") + "reduce_dtype=torch.float32)",
+        f"fully_shard({_fsdp_ref(name)}, mp_policy=policy)  # and every unit that shares it",
+    ])
+    return Recommendation(
+        type="fsdp_policy", value={"reduce_dtype": "float32"}, module=name or None,
+        snippet=code, code_change=True,
+        evidence=[f"the unit {name or '<root>'} reduce-scatters its gradients in "
+                  f"{policy.get('reduce_dtype') or param}; float32 keeps their range"],
+        data={"unit": name, "policy": dict(policy), "reduce_dtype": "float32"})
+
+
+def _fsdp_ref(unit: str) -> str:
+    return f"model.get_submodule({_q(unit)})" if unit else "model"
+
+
+def _fsdp_fp32(rec: Recommendation, trace: Trace) -> Recommendation:
+    """Under FSDP2 a module's weights arrive in the policy's ``param_dtype`` whatever autocast
+    says, so float32 for a region means its own FSDP2 units with a float32 policy."""
+    region = [str(m) for m in rec.data.get("region") or [rec.module]]
+    unit = _fsdp_unit(trace, region[0])
+    if unit is None:
+        return rec
+    name, policy = unit
+    param = policy.get("param_dtype")
+    if param not in ("float16", "bfloat16"):
+        return rec  # the policy computes in float32 already: autocast decides
+    cast = rec.data.get("cast_to")
+    lines = [
+        "import torch",
+        "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
+        "",
+        "# before fully_shard of the modules that contain them (FSDP2 shards bottom-up):",
+        "# these compute in float32; the rest keeps its policy",
+        "fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)",
+    ]
+    for i, module in enumerate(region):
+        last = i == len(region) - 1
+        policy_arg = "fp32"
+        if last and cast:
+            policy_arg = ("MixedPrecisionPolicy(param_dtype=torch.float32, "
+                          f"reduce_dtype=torch.float32, output_dtype=torch.{cast})")
+        lines.append(f"fully_shard({_fsdp_ref(module)}, mp_policy={policy_arg})")
+    rec.type = "fsdp_policy"
+    rec.fix = []
+    rec.snippet = "\n".join(lines)
+    rec.helper = ""
+    rec.code_change = True
+    rec.evidence = [*rec.evidence[:-1],
+                    f"{region[0]} runs in FSDP2 unit {name or '<root>'}, whose "
+                    f"MixedPrecisionPolicy casts its weights to {param}: autocast cannot "
+                    "change that, the policy must (units of their own, in float32)"]
+    rec.data = {**rec.data, "unit": name, "policy": dict(policy)}
+    return rec
+
+
 ADVICE: dict[str, tuple[Builder, ...]] = {
     "scaler-crash": (_scaler_usage,),
     "range-constant": (_finfo_constant,),
@@ -1157,6 +1269,7 @@ ADVICE: dict[str, tuple[Builder, ...]] = {
     "scale-too-low": (_init_scale,),
     "scale-backoff": (_init_scale,),
     "skip-streak": (_skip_init_scale,),
+    "reduction-overflow": (_comm_hook, _no_comm_hook, _fsdp_reduce_dtype),
     "input-range-shift": (_normalize_input,),
     **CURVE_ADVICE,  # failures without a NaN (curve_advice.py)
 }
@@ -1199,3 +1312,6 @@ def advise(trace: Trace) -> None:
     # every installable recommendation gets its --fix specs and the snippet written from them
     # (one generator: the printed code is the change --fix installs)
     attach_fixes(trace)
+    if trace.run.fsdp_policies:  # float32 under FSDP2 is a policy, not autocast
+        trace.recommendations = [_fsdp_fp32(r, trace) if r.type == "fp32_module" else r
+                                 for r in trace.recommendations]

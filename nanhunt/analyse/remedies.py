@@ -25,11 +25,13 @@ __all__ = ["attach_fixes", "ladder", "verify_order"]
 _OPTIMIZER_KINDS = ("opt-eps", "lr-factor", "clip", "fp32-master", "warmup")
 #: types a fix spec installs; the others need a code change
 _INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "lower_lr",
-                "fp32_master_weights", "z_loss", "logit_cap", "lr_warmup")
+                "fp32_master_weights", "z_loss", "logit_cap", "lr_warmup", "comm_hook",
+                "no_comm_hook")
 #: which recommendation types re-run verification tries first (most likely to cure first):
 #: a floor removes the invalid op (an eps too, when the module has one), float32 keeps the
 #: values, a clamp only bounds a symptom
-_PRIORITY = {"clamp_op": 0, "eps": 1, "fp32_module": 2, "fp32_master_weights": 2,
+_PRIORITY = {"comm_hook": 0, "no_comm_hook": 1,
+             "clamp_op": 0, "eps": 1, "fp32_module": 2, "fp32_master_weights": 2,
              "init_scale": 3, "logit_cap": 3, "z_loss": 3, "lr_warmup": 4,
              "clip_grad_norm": 4, "lower_lr": 5, "clamp": 6}
 _DEFAULT_GROWTH_INTERVAL = 2000
@@ -92,6 +94,10 @@ def specs_for(rec: Recommendation, trace: Trace) -> list[FixSpec]:
         return [parse_fix(f"{kind}:{rec.module}={number(float(rec.value))}")]
     if rec.type == "lr_warmup" and rec.value:
         return [parse_fix(f"warmup={int(rec.value)}")]
+    if rec.type == "comm_hook":
+        return [parse_fix("comm-hook:bf16")]
+    if rec.type == "no_comm_hook":
+        return [parse_fix("comm-hook:none")]
     return []
 
 

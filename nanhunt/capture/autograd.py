@@ -131,8 +131,12 @@ class AutogradObserver(Part):
             self.cur.scaled_grad_params.add(id(p))
         if not self.s._full or not _stats.summarizable(g):
             return
+        comm = getattr(self.s, "comm", None)
+        # a sharded FSDP2 parameter's gradient is the reduce-scatter's output
+        phase = "communication" if comm is not None and comm.fsdp_reduction(p, f"{name}.grad") \
+            else "backward"
         self.rec.queue(g, _Meta(
-            step=self.s._step, order=self.cur.next_order(), phase="backward", module=owner,
+            step=self.s._step, order=self.cur.next_order(), phase=phase, module=owner,
             tensor=f"{name}.grad", role="param_grad", dtype=str(g.dtype).removeprefix("torch."),
             shape=tuple(g.shape), owner=owner,
         ))

@@ -1,41 +1,157 @@
-"""DDP communication hooks the script registers (``register_comm_hook``), by name.
+"""Communication observer: the gradients after their reduction across ranks (phase
+``communication``).
 
-A hook such as ``fp16_compress_hook`` reduces the gradients in another format than the one they
-were computed in. nanhunt records gradients as they accumulate, before the reduction, and does
-not observe the reduction itself: a gradient that only the reduction made non-finite is first
-seen in the optimizer's step. The names let the report say so.
+- **DDP** reduces each gradient bucket with an all-reduce, through the communication hook the
+  script registered (``register_comm_hook``: ``fp16_compress_hook`` casts the bucket to float16
+  before the all-reduce) or DDP's own. ``Tensor.backward`` returns only once every bucket is
+  reduced and copied back into ``.grad``, so right after it, on the training thread, each
+  parameter's ``.grad`` is the reduced gradient (still scaled by GradScaler, not yet touched by
+  the optimizer). One row per parameter, role ``reduced_grad``; the autograd observer's
+  ``param_grad`` row of the same parameter is this rank's own gradient before the reduction.
+  Backwards under ``no_sync()`` reduce nothing and get no rows.
+- **FSDP2** reduce-scatters the unsharded gradient into each rank's shard; the sharded
+  parameter's post-accumulate hook sees the result, so its ``param_grad`` row is put in this
+  phase (by the autograd observer, through :meth:`CommObserver.fsdp_reduction`). The unsharded
+  gradient before the reduce-scatter is not observed per parameter.
+
+The hooks are read from each DDP instance (``_comm_hooks``: what is registered, a ``--fix``'s
+swap included), and each FSDP2 unit's ``MixedPrecisionPolicy`` from its state, so the report
+can name the reduction and the policy's dtypes.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["comm_hooks_seen"]
+import torch
+
+from nanhunt import stats as _stats
+from nanhunt.capture._util import _in_backward, _safe
+from nanhunt.capture.state import Part, _Meta
+
+__all__ = ["CommObserver", "hook_dtype", "hook_name"]
+
+#: the dtype each of torch's compression hooks reduces in (by name)
+_HOOK_DTYPES = {"fp16_compress_hook": "float16", "bf16_compress_hook": "bfloat16"}
 
 
-@contextlib.contextmanager
-def comm_hooks_seen(seen: list[str]) -> Iterator[None]:
-    """While installed, each ``DistributedDataParallel.register_comm_hook(state, hook)`` call
-    appends the hook's name to ``seen`` (and registers the hook unchanged)."""
+def hook_name(hook: Any) -> str:
+    """A communication hook's name (a ``functools.partial`` names the function it wraps)."""
+    inner = getattr(hook, "func", hook)
+    return str(getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None)
+               or type(inner).__name__)
+
+
+def hook_dtype(name: str) -> str | None:
+    """The dtype a hook of torch's reduces in, from its name; None for a hook nanhunt does not
+    know (PowerSGD, the script's own)."""
+    return _HOOK_DTYPES.get(name.rsplit(".", 1)[-1])
+
+
+def _ddp_class() -> Any:
     try:
-        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.nn.parallel import DistributedDataParallel
     except Exception:  # a torch without distributed
-        yield
-        return
-    original = DDP.register_comm_hook
+        return None
+    return DistributedDataParallel
 
-    def register_comm_hook(self: Any, state: Any, hook: Any) -> Any:
-        name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) \
-            or type(hook).__name__
-        if name not in seen:
-            seen.append(str(name))
-        return original(self, state, hook)
 
-    register_comm_hook.__wrapped__ = original  # type: ignore[attr-defined]
-    DDP.register_comm_hook = register_comm_hook
-    try:
-        yield
-    finally:
-        DDP.register_comm_hook = original
+def _dtype_name(dtype: Any) -> str | None:
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
+
+
+class CommObserver(Part):
+    """Rows for the reduced gradients (see the module doc); ``comm_hooks`` lists the DDP hooks
+    seen, ``policies`` each FSDP2 unit's mixed-precision policy by module name."""
+
+    def __init__(self, session: Any) -> None:
+        super().__init__(session)
+        self.comm_hooks: list[str] = []
+        self.policies: dict[str, dict[str, str | None]] = {}
+        self._ddp = _ddp_class()
+        self._units_seen: set[int] = set()
+        # id(sharded parameter) -> (the unit's name, its reduce dtype)
+        self._fsdp_params: dict[int, tuple[str, str | None]] = {}
+
+    # -- DDP ---------------------------------------------------------------------------------
+
+    @_safe
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        """Called by the loss observer when ``Tensor.backward`` returns on the training thread."""
+        s = self.s
+        if self._ddp is None or not s._active or not s._full or _in_backward() \
+                or s._foreign_thread():
+            return
+        for ref, _label in list(s.naming.roots):
+            ddp = ref()
+            if not isinstance(ddp, self._ddp) or not getattr(ddp, "require_backward_grad_sync",
+                                                             True):
+                continue
+            hooks = [hook_name(h) for h, _state in getattr(ddp, "_comm_hooks", ())]
+            for h in hooks:
+                if h not in self.comm_hooks:
+                    self.comm_hooks.append(h)
+            how = "DDP all-reduce" + (f" through {', '.join(hooks)}" if hooks else "")
+            known = [hook_dtype(h) for h in hooks]
+            for p in ddp.module.parameters():
+                g = p.grad
+                if g is None or not _stats.summarizable(g):
+                    continue
+                name, owner = s.naming.param_names.get(p, ("", ""))
+                if not name:
+                    continue
+                tensor = f"{name}.grad"
+                dtype = _dtype_name(g.dtype)
+                reduce_dtype = (known[0] if len(known) == 1 else None) if hooks else dtype
+                s.judge.reductions[tensor] = (how, reduce_dtype)
+                self.rec.queue(g, _Meta(
+                    step=s._step, order=self.cur.next_order(), phase="communication",
+                    module=owner, tensor=tensor, role="reduced_grad", dtype=str(dtype),
+                    shape=tuple(g.shape), owner=owner))
+
+    # -- FSDP2 -------------------------------------------------------------------------------
+
+    def fsdp_reduction(self, p: torch.Tensor, tensor: str) -> bool:
+        """Whether ``p`` is a sharded FSDP2 parameter, whose accumulated gradient is the
+        reduce-scatter's output (its row then belongs to the communication phase)."""
+        if type(p).__name__ != "DTensor":
+            return False
+        entry = self._fsdp_params.get(id(p))
+        if entry is None:
+            self.find_units()
+            entry = self._fsdp_params.get(id(p), ("", None))
+        unit, reduce_dtype = entry
+        where = f" of {unit or '<root>'}" if unit or id(p) in self._fsdp_params else ""
+        self.s.judge.reductions[tensor] = (f"FSDP2 reduce-scatter{where}", reduce_dtype)
+        return True
+
+    def find_units(self) -> None:
+        """Each FSDP2 unit of the named roots: its policy and the parameters it shards."""
+        for ref, _label in list(self.s.naming.roots):
+            root = ref()
+            if root is None:
+                continue
+            for module in root.modules():
+                get_state = getattr(module, "_get_fsdp_state", None)
+                if get_state is None or id(module) in self._units_seen:
+                    continue
+                self._units_seen.add(id(module))
+                try:
+                    state = get_state()
+                    policy = state._mp_policy
+                    group = state._fsdp_param_group
+                    params = [fp.sharded_param for fp in group.fsdp_params] if group else []
+                except Exception:  # another torch's internals: the phase still holds
+                    continue
+                # "": the root itself (its modules' names carry no prefix)
+                name = "" if module is root else self.s.naming.names.get(module, "")
+                param_dtype = _dtype_name(policy.param_dtype)
+                reduce_dtype = _dtype_name(policy.reduce_dtype) or param_dtype
+                self.policies[name] = {
+                    "param_dtype": param_dtype,
+                    "reduce_dtype": _dtype_name(policy.reduce_dtype),
+                    "output_dtype": _dtype_name(policy.output_dtype),
+                }
+                for p in params:
+                    self._fsdp_params[id(p)] = (name, reduce_dtype)

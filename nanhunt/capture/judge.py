@@ -41,6 +41,8 @@ class Judge:
         self.probes_left = 16
         self.probe_detail: str | None = None
         self.origin_call: int | None = None  # the culprit's call in its step, when known
+        # phase communication: gradient name -> (how it was reduced, the reduction's dtype)
+        self.reductions: dict[str, tuple[str, str | None]] = {}
 
     def before_failure(self, meta: _Meta) -> bool:
         """Per-layer ranges stop at the origin: what follows it is contaminated."""
@@ -58,7 +60,7 @@ class Judge:
             problem = "loss"
         elif "param" in bad:
             problem = "param"
-        elif "param_grad" in bad and (not scaled or d.optimizer_ran) and \
+        elif bad & {"param_grad", "reduced_grad"} and (not scaled or d.optimizer_ran) and \
                 not (scaled and d.found_inf):
             problem = "grad"
         elif self.root_output_bad(d):
@@ -184,8 +186,17 @@ class Judge:
         if problem == "collapse":
             phase = "loss_scaling" if m.phase == "backward" else m.phase
         detail = (self.probe_detail or "") if problem == "scale_free" else ""
-        return Failure(step=d.index, phase=phase, module=m.module, tensor=m.tensor,
-                       stats=self.recorder.stats(m, r), detail=detail)
+        failure = Failure(step=d.index, phase=phase, module=m.module, tensor=m.tensor,
+                          stats=self.recorder.stats(m, r), detail=detail)
+        if m.phase == "communication":
+            failure.reduction, failure.reduce_dtype = self.reductions.get(m.tensor, ("", None))
+            # this rank's own gradient of the same parameter, before the reduction (DDP)
+            local = next(((lm, lr) for lm, lr in zip(d.metas, d.rows)
+                          if lm.role == "param_grad" and lm.phase == "backward"
+                          and lm.tensor == m.tensor), None)
+            if local is not None:
+                failure.local_grad = self.recorder.stats(*local)
+        return failure
 
     def note_absorbed(self, d: _StepData) -> None:
         for m, r in zip(d.metas, d.rows):

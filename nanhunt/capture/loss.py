@@ -67,6 +67,9 @@ class LossObserver(Part):
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             obs._guard(obs._before_backward, tensor)
             result = original(tensor, *args, **kwargs)
+            comm = getattr(obs.s, "comm", None)
+            if comm is not None:  # the gradients are reduced across ranks by now (DDP)
+                comm.after_backward()
             obs._guard(obs._after_backward)
             return result
 

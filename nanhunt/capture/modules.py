@@ -21,7 +21,6 @@ from nanhunt.capture._util import (
     _version,
     module_caller,
 )
-from nanhunt.capture.comm import comm_hooks_seen
 from nanhunt.capture.compiled import compiled_boundary
 from nanhunt.capture.state import Part, _Call, _Frame, _Meta
 
@@ -35,7 +34,6 @@ class ModuleObserver(Part):
         super().__init__(session)
         self._handles: list[Any] = []
         self.compiled: set[str] = set()  # compiled modules that ran (seen at their boundary)
-        self.comm_hooks: list[str] = []  # DDP communication hooks the script registered
 
     def install(self, stack: Any) -> None:
         self.set_hooks(True)
@@ -43,7 +41,6 @@ class ModuleObserver(Part):
         # compiled modules run without our hooks inside, recorded at their boundary
         stack.enter_context(compiled_boundary(self._on_pre, self._on_post, self.compiled,
                                               self.s.naming))
-        stack.enter_context(comm_hooks_seen(self.comm_hooks))  # DDP's gradient reduction
 
     def set_hooks(self, on: bool) -> None:
         """Global module hooks slow every module call, so sampled mode drops them between

@@ -227,7 +227,7 @@ class Recorder:
     def accumulate(self, meta: _Meta, row: np.ndarray, d: _StepData) -> None:
         if meta.approx is not None and meta.role != "param":
             return  # a flags-only row (a sentinel's gradient check): no range to add
-        if meta.phase == "backward":
+        if meta.phase == "backward" or meta.role == "param_grad":  # (FSDP2's: communication)
             self.add_grad_hist(meta.dtype, row, d.scale)
         for owner in (meta.owner, *meta.also_owners):
             if owner:

@@ -28,6 +28,7 @@ from torch import nn
 
 from nanhunt.capture._util import _autocast_state, user_frame
 from nanhunt.capture.autograd import AutogradObserver
+from nanhunt.capture.comm import CommObserver
 from nanhunt.capture.judge import Judge
 from nanhunt.capture.loss import LossObserver
 from nanhunt.capture.modules import ModuleObserver
@@ -487,14 +488,11 @@ class Session:
         notes = [f"nanhunt stopped tracing after an internal error: {e}"
                  for e in self.internal_errors]
         compiled = sorted(getattr(getattr(self, "modules", None), "compiled", ()))
-        hooks = list(getattr(getattr(self, "modules", None), "comm_hooks", ()))
-        if hooks:
-            notes.append(
-                f"DDP communication hook {', '.join(hooks)}: nanhunt records each gradient as "
-                "it accumulates, before the hook's reduction, and does not observe the "
-                "reduction; a gradient first non-finite at the optimizer step, from finite "
-                "local gradients, may have been made by it (a float16 compression overflows "
-                "above 65504; bf16_compress_hook or no hook avoids that)")
+        comm = getattr(self, "comm", None)
+        if comm is not None:
+            comm.find_units()
+            run.comm_hooks = run.comm_hooks or list(comm.comm_hooks)
+            run.fsdp_policies = run.fsdp_policies or dict(comm.policies)
         if compiled:
             notes.append(
                 f"compiled with torch.compile, seen only at the boundary: {', '.join(compiled)} "
@@ -546,7 +544,8 @@ class Hunt(Session):
         print(hunt.layers[0].module)       # per-module ranges, execution order
 
     Reading the result: ``first_failure`` names the step (0-based), the phase (``data``,
-    ``forward``, ``backward``, ``optimizer``, ``loss_scaling``), the module's qualified name
+    ``forward``, ``backward``, ``communication``, ``loss_scaling``, ``optimizer``), the
+    module's qualified name
     as in ``model.named_modules()``, the tensor (``output[0]``, ``grad_input[0]``,
     ``fc.weight.grad``, ``loss``) and the values' summary. A module is blamed only when its
     inputs were finite; a non-finite value that a later module absorbed (a ``-inf`` attention
@@ -560,13 +559,14 @@ class Hunt(Session):
     def _compose(self) -> None:
         self.modules = ModuleObserver(self)
         self.autograd = AutogradObserver(self)
+        self.comm = CommObserver(self)  # the gradients after the reduction across ranks
         self.signals.softmax = True  # attention logits: softmax inputs inside traced modules
         self.naming.on_param = self.autograd.hook_param
         if self.keep_tensors:  # a skipped step's culprit can be replayed without the scale
             self.judge.probe = self.snapshots.probe_unscaled
 
     def _observers(self) -> list[Any]:
-        return [self.modules, self.autograd, *super()._observers()]
+        return [self.modules, self.autograd, self.comm, *super()._observers()]
 
     def _step_begun(self) -> None:
         if self.sample_every > 1 and self._stack is not None:

@@ -31,6 +31,8 @@ class Snapshots(Part):
             return
         if f.step != self.s._step and self.judge.problem != "collapse":
             return  # the failing step's inputs are gone
+        if f.phase == "communication":
+            return  # a reduction across ranks: no module call of this rank to replay
         if f.phase == "data" and f.tensor.startswith("target of "):
             for t in self.cur.targets.values():
                 self.bad_samples_of(f.tensor, t)

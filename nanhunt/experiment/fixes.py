@@ -10,7 +10,8 @@ gradients, swaps in float32 master weights or warms the learning rate up; a z-lo
 cap on attention logits are :mod:`nanhunt.experiment.curve_fixes`. Hooks and patches are
 removed, and patched methods restored to the exact objects, by :meth:`Fixes.uninstall`; what
 the fixes changed in the model or optimizer (an eps, a learning rate, float32 weights) stays,
-as with the snippet.
+as with the snippet. A wrapper of DDP's ``register_comm_hook`` swaps or drops a compression
+hook.
 
 Modules are named as nanhunt's reports name them (qualified names from the model, a root that
 is not the model by its variable name), so a module name from a report is a valid pattern.
@@ -197,6 +198,8 @@ class Fixes:
         self._lr_script: set[int] = set()
         self._lr_restore: list[tuple[dict, Any]] = []
         self._step_ends = 0
+        self._comm_hook = next((s for s in self.specs if s.kind == "comm-hook"), None)
+        self._comm_hooks_registered = 0
         kinds = {s.kind for s in self.specs}
         self._module_specs = [s for s in self.specs if s.patterns]
         self._optimizer_specs = kinds & {"opt-eps", "lr-factor", "clip", "fp32-master", "warmup"}
@@ -230,6 +233,10 @@ class Fixes:
                 self._patch(stack, torch.amp.GradScaler, "__init__", self._wrap_scaler_init)
             if self._zloss is not None:
                 self._zloss.install(stack)
+            if self._comm_hook is not None:
+                ddp = _ddp_class()
+                if ddp is not None:
+                    self._patch(stack, ddp, "register_comm_hook", self._wrap_register_comm_hook)
             rungs.install([s for s in self.specs if s.kind in rungs.GLOBAL_KINDS], stack,
                           self.applied)
             self._stack = stack.pop_all()
@@ -279,6 +286,9 @@ class Fixes:
         if final and any(v is not None for v in self._scaler_args.values()) and \
                 not self._scalers:
             return "--fix init-scale/growth-interval: the script made no GradScaler"
+        if final and self._comm_hook is not None and not self._comm_hooks_registered:
+            return (f"--fix {self._comm_hook}: the script registered no DDP communication hook "
+                    "(register_comm_hook)")
         return None
 
     def _plan(self, module: nn.Module, name: str) -> _Plan:
@@ -427,6 +437,30 @@ class Fixes:
 
         return __init__
 
+    def _wrap_register_comm_hook(self, original: Any) -> Any:
+        """comm-hook:bf16 registers bf16_compress_hook where the script registers
+        fp16_compress_hook; comm-hook:none registers nothing (DDP's own all-reduce)."""
+        fixes = self
+        spec = self._comm_hook
+
+        def register_comm_hook(ddp: Any, state: Any, hook: Any) -> Any:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            fixes._comm_hooks_registered += 1
+            name = getattr(hook, "__name__", type(hook).__name__)
+            fixes.applied[str(spec)].add(name)
+            if spec.op == "none":
+                return None
+            if hook is not default_hooks.fp16_compress_hook:
+                raise FixMismatch(f"--fix {spec}: the script registers {name}, not "
+                                  "fp16_compress_hook (use comm-hook:none)")
+            try:
+                return original(ddp, state, default_hooks.bf16_compress_hook)
+            except TypeError as exc:  # DDP refuses it: CUDA 11+ and NCCL 2.10+, or XPU, only
+                raise FixMismatch(f"--fix {spec}: {exc}; use comm-hook:none") from None
+
+        return register_comm_hook
+
     def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._optimizers = max(self._optimizers, 1)
         if not self._checked:
@@ -531,6 +565,14 @@ class Fixes:
             p.data = half
             p.grad = grad
         self._swapped = []
+
+
+def _ddp_class() -> Any:
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except Exception:  # a torch without distributed
+        return None
+    return DistributedDataParallel
 
 
 def _lr_text(lr: Any) -> str:

@@ -4,6 +4,7 @@ real two-process DDP runs (gloo, CPU) under torchrun and ``nanhunt diagnose --np
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -495,13 +496,44 @@ def test_no_sync_micro_batches_belong_to_their_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_compression_hook_is_named_where_its_reduction_is_not_observed(tmp_path):
-    """fp16_compress_hook overflows the all-reduced gradients at step 2. nanhunt does not observe
-    the reduction yet (no communication phase): the report must name the hook and say so."""
+def test_a_compression_hook_that_overflows_is_found_in_the_communication_phase(tmp_path):
+    """fp16_compress_hook overflows the all-reduced gradients at step 2 on every rank, from
+    finite float32 gradients: the communication phase, the hook named, comm-hook:none offered
+    (bf16_compress_hook is refused by DDP on gloo), and the verdict the rules' alone."""
     proc = _run(_torchrun("--quiet", "--out", "out", str(SCRIPTS / "ddp_comm_hook.py")),
                 tmp_path)
     report = _report(tmp_path / "out")
     ff = report["first_failure"]
-    assert (ff["step"], ff["phase"]) == (2, "optimizer"), proc.stderr
-    note = next(n for n in report["notes"] if n.startswith("DDP communication hook"))
-    assert "fp16_compress_hook" in note and "does not observe the reduction" in note
+    assert (ff["step"], ff["phase"], ff["module"], ff["tensor"]) == (
+        2, "communication", "0", "0.weight.grad"), proc.stderr
+    assert ff["reduction"] == "DDP all-reduce through fp16_compress_hook"
+    assert ff["reduce_dtype"] == "float16"
+    local = ff["local_grad"]
+    assert local["nan"] + local["posinf"] + local["neginf"] == 0 and local["amax"] > 65504
+    assert report["all_ranks_failed"]
+    assert report["run"]["comm_hooks"] == ["fp16_compress_hook"]
+    d = report["diagnosis"]
+    assert (d["rule"], d["phase"]) == ("reduction-overflow", "communication")
+    assert "fp16_compress_hook" in d["message"]
+    fixes = {r["type"]: r["fix"] for r in report["recommendations"]}
+    assert fixes["no_comm_hook"] == ["comm-hook:none"] and "comm_hook" not in fixes
+    assert "verdict is the rules' alone" in report["experiments"]["note"]
+    assert [(r["rank"], r["answered"], len(r["steps"])) for r in report["ranks"]] == [
+        (0, True, 3), (1, True, 3)]
+
+
+@pytest.mark.slow
+def test_the_comm_hook_fix_under_torchrun_trains_quietly(tmp_path):
+    """The same script with --fix comm-hook:none (the healthy twin: DDP's own float32
+    all-reduce), every step of every rank finite, nothing reported."""
+    proc = _run(_torchrun("--quiet", "--out", "out", "--fix", "comm-hook:none",
+                          str(SCRIPTS / "ddp_comm_hook.py")), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = _report(tmp_path / "out")
+    assert report["first_failure"] is None and report["diagnosis"] is None
+    assert not report["problem"]
+    assert not any(w["rule"] == "reduction-overflow" for w in report["warnings"])
+    assert report["run"]["comm_hooks"] == [] and report["run"]["fixes"] == ["comm-hook:none"]
+    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines()
+              if line.startswith("rank ")]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)

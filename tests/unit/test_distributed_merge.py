@@ -74,7 +74,18 @@ def test_origin_is_the_earliest_by_step_then_phase_order(failures, origin):
 
 
 def test_phase_order_is_the_capture_order():
-    assert PHASES == ("data", "forward", "backward", "loss_scaling", "optimizer")
+    # the reduction across ranks follows backward (DDP's all-reduce, FSDP2's reduce-scatter)
+    # and precedes GradScaler's unscale and the optimizer
+    assert PHASES == ("data", "forward", "backward", "communication", "loss_scaling",
+                      "optimizer")
+
+
+def test_a_rank_that_received_the_nan_through_the_reduction_is_not_the_origin():
+    """Rank 1's batch carried the NaN; rank 0 first saw it in the all-reduced gradient."""
+    merged = merge({0: trace(failure(2, "communication", tensor="fc.weight.grad")),
+                    1: trace(failure(2, "data", tensor="input[0]"))}, 2)
+    assert merged.first_failure.rank == 1
+    assert "rank 0 first at step 2, communication" in merged.first_failure.detail
 
 
 def test_every_rank_failing_alike_is_flagged_and_said():

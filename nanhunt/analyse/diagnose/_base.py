@@ -32,6 +32,7 @@ PRECEDENCE = (
     "range-constant",
     "scaler-misuse",
     "bad-input",
+    "reduction-overflow",  # the reduction across ranks made it: before what it feeds
     "optimizer-eps",
     "optimizer-update",
     "scale-collapse",

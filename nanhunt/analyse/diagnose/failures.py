@@ -29,6 +29,8 @@ from nanhunt.analyse.diagnose.classify import (
     failure_op,
 )
 from nanhunt.analyse.diagnose.shared import grad_site, short_source
+from nanhunt.errors import NanhuntError
+from nanhunt.formats import get_format
 from nanhunt.trace import Finding, StepRecord, Trace
 
 # ----------------------------------------------------------------------------- error rules
@@ -487,3 +489,50 @@ def scale_collapse(trace: Trace, ctx: Context) -> Iterator[Finding]:
         tensor=f.tensor,
         data={"skipped": n, "scale_from": first, "scale_to": last, "overflow": overflow},
     )
+
+
+# ----------------------------------------------------------------------------- communication
+
+
+@rule(id="reduction-overflow", kind="overflow", needs=("first_failure",))
+def reduction_overflow(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """The gradient reduction across ranks made a gradient non-finite: a DDP communication hook
+    or an FSDP2 reduce dtype narrower than the gradients' values."""
+    f = ctx.failure
+    if f is None or f.phase != "communication" or not f.reduce_dtype:
+        return
+    try:
+        fmt = get_format(f.reduce_dtype)
+    except NanhuntError:
+        return
+    local = f.local_grad
+    how = f.reduction or "the reduction"
+    evidence = [f"{f.tensor} after {how} at step {f.step}: {_counts(f.stats)}"]
+    data: dict[str, Any] = {"reduce_dtype": fmt.name, "reduction": how,
+                            "hooks": list(trace.run.comm_hooks)}
+    if local is not None:
+        if local.nonfinite or local.amax <= fmt.max:
+            return  # finite and in range here: another rank's values, not this reduction's
+        evidence.append(
+            f"this rank's own {f.tensor} before the reduction was finite, amax {_n(local.amax)}"
+            f", above {fmt.name}'s max {fmt.max:g} ({local.overflow} of {local.numel} values "
+            f"above the run's target {ctx.fmt.name}'s max)" if ctx.fmt.name != fmt.name else
+            f"this rank's own {f.tensor} before the reduction was finite, amax {_n(local.amax)}"
+            f", above {fmt.name}'s max {fmt.max:g} ({local.overflow} of {local.numel} values)")
+        data["local_amax"] = local.amax
+        message = (f"the gradient reduction overflowed {fmt.name} at step {f.step}: {how} "
+                   f"reduces {f.tensor} in {fmt.name}, and this rank's finite gradient "
+                   f"(amax {_n(local.amax)}) exceeds {fmt.max:g}")
+    else:
+        if fmt.name not in ("float16", "bfloat16"):
+            return  # a float32 reduction of values it was not shown: no cause to name
+        evidence.append("this rank's gradients before the reduce-scatter are not observed per "
+                        "parameter (FSDP2 reduces the unsharded gradient)")
+        message = (f"{f.tensor} came out of {how} non-finite at step {f.step}, reduced in "
+                   f"{fmt.name} (the MixedPrecisionPolicy's reduce dtype)")
+    if trace.run.world_size > 1:
+        evidence.append(f"{trace.run.world_size} ranks: the reduction sums every rank's "
+                        "gradient (DDP's compression hooks divide by the world size after the "
+                        "cast)")
+    yield _finding("error", message, evidence, phase="communication", step=f.step,
+                   module=f.module or None, tensor=f.tensor, data=data)
