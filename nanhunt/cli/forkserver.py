@@ -2,14 +2,14 @@
 
 Importing torch (and the ``torch._dynamo`` that the first optimizer pulls in) costs more than a
 small script's training steps; re-run verification runs the script up to ``--verify N`` times,
-so it starts this server once (``python -m nanhunt.cli.forkserver``, single-threaded after
-its
-imports, so forking is safe) and asks it for each re-run. Protocol, one JSON line each way:
-``{"ready"}`` once its imports are done, then for each request ``{"argv", "cwd", "env",
-"log"}`` the answers ``{"pid"}`` (forked) and
-``{"pid", "code"}`` (the child's exit status). The child is ``nanhunt diagnose`` with its
-stdout and stderr in ``log``; the server ignores Ctrl-C (the child, in the same process group,
-gets it and writes its report).
+so it starts this server once (``python -m nanhunt.cli.forkserver``, single-threaded after its
+imports, so forking is safe) and asks it for each re-run; the test suite runs its CLI tests
+through it too. Protocol, one JSON line each way: ``{"ready"}`` once its imports are done, then
+for each request ``{"argv", "cwd", "env", "log"}`` the answers ``{"pid"}`` (forked) and
+``{"pid", "code"}`` (the child's exit status). The child is ``nanhunt ARGV`` as
+``python -m nanhunt`` run in ``cwd`` would be, with its stdout and stderr in ``log`` (or apart,
+in ``stdout`` and ``stderr``; with ``session``, in a process group of its own). The server
+ignores Ctrl-C (the child, in the same process group, gets it and writes its report).
 """
 
 from __future__ import annotations
@@ -21,20 +21,31 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 __all__ = ["serve"]
 
 
 def _child(request: dict) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if request.get("session"):  # a process group of its own: killed whole on a timeout
+        os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     devnull = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    out = request.get("stdout", request.get("log"))
+    err = request.get("stderr", out)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    out_fd = os.open(out, flags, 0o644)
+    err_fd = out_fd if err == out else os.open(err, flags, 0o644)
     os.dup2(devnull, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    # as ``python -m nanhunt`` from that folder would have them
+    sys.argv = [str(Path(__file__).resolve().parents[1] / "__main__.py"), *request["argv"]]
+    if sys.path:
+        sys.path[0] = os.getcwd()
     from nanhunt.cli.main import main
 
     try:

@@ -14,6 +14,13 @@ step), so the suite shares them:
 * ``run_cli`` (function-scoped): one run for one test, in that test's tmp_path.
 * ``quiet_pool``: no pool run during a test that times a child in wall-clock seconds.
 
+``python -m nanhunt ...`` runs go through nanhunt's fork server (:mod:`nanhunt.cli.forkserver`,
+one per thread of this process): each run is a child forked from a process that imported torch
+and nanhunt once, in its own process group, its own folder and environment, with ``sys.argv`` and
+``sys.path[0]`` as ``python -m nanhunt`` sets them, so a run costs its script and no import.
+``NANHUNT_TEST_FORK=0`` runs each as a fresh process instead; the tests of the launchers
+themselves (``nanhunt_cmd``, the console script, the pseudo-terminal, Ctrl-C) always do.
+
 ``nanhunt diagnose`` gets ``--verify 0`` (no re-run verification) unless ``verify=True``: the
 re-runs cost up to four more runs of the script, and only the tests about verification need
 them.
@@ -34,6 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from clirun import MODULE, cli_env, close_fork_servers, run_nanhunt
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -54,10 +62,6 @@ def _launchers() -> list[list[str]]:
 @pytest.fixture(params=_launchers(), ids=lambda c: "console-script" if len(c) == 1 else "-m")
 def nanhunt_cmd(request):
     return request.param
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
 
 
 class Result:
@@ -161,33 +165,42 @@ class CliRuns:
                timeout: float = 600, env: dict[str, str] | None = None) -> Future:
         """``nanhunt ARGS`` (``python -m nanhunt`` unless ``cmd``) in a fresh folder, which is
         its working directory; its reports are in ``<folder>/nanhunt-report``."""
-        full = (*(cmd or (sys.executable, "-m", "nanhunt")), *_with_verify(args, verify))
+        full = (*(cmd or MODULE), *_with_verify(args, verify))
         extra = tuple(sorted((env or {}).items()))
+        forked = cmd is None  # a launcher named by the test runs as itself
 
         def run(cwd: Path) -> Result:
-            proc = subprocess.run(full, cwd=cwd, capture_output=True, text=True,
-                                  timeout=timeout, env=cli_env(**dict(extra)))
+            if forked:
+                proc = run_nanhunt(full[len(MODULE):], cwd, env=cli_env(**dict(extra)),
+                                   timeout=timeout)
+            else:
+                proc = subprocess.run(full, cwd=cwd, capture_output=True, text=True,
+                                      timeout=timeout, env=cli_env(**dict(extra)))
             return Result(proc, cwd / "nanhunt-report", cwd)
 
-        return self.call(("cli", full, extra), run)
+        return self.call(("cli", full, extra, forked), run)
 
     def submit_with_files(self, files: dict[str, str], *args: str | Path, verify: bool = False,
                           cmd: Sequence[str] | None = None, timeout: float = 600) -> Future:
         """As :meth:`submit`, with ``files`` (relative path -> text) written into the run's
         folder first; ``{cwd}`` in an argument is that folder."""
-        launcher = tuple(cmd or (sys.executable, "-m", "nanhunt"))
+        launcher = tuple(cmd or MODULE)
         args = _with_verify(args, verify)
 
         def run(cwd: Path) -> Result:
             for name, text in files.items():
                 (cwd / name).parent.mkdir(parents=True, exist_ok=True)
                 (cwd / name).write_text(text)
-            full = [*launcher, *(a.format(cwd=cwd) if "{cwd}" in a else a for a in args)]
-            proc = subprocess.run(full, cwd=cwd, capture_output=True, text=True,
-                                  timeout=timeout, env=cli_env())
+            argv = [a.format(cwd=cwd) if "{cwd}" in a else a for a in args]
+            if cmd is None:
+                proc = run_nanhunt(argv, cwd, timeout=timeout)
+            else:
+                proc = subprocess.run([*launcher, *argv], cwd=cwd, capture_output=True,
+                                      text=True, timeout=timeout, env=cli_env())
             return Result(proc, cwd / "nanhunt-report", cwd)
 
-        return self.call(("files", tuple(sorted(files.items())), launcher, args), run)
+        return self.call(("files", tuple(sorted(files.items())), launcher, args, cmd is None),
+                         run)
 
     def get(self, *args: str | Path, **kw) -> Result:
         return self.submit(*args, **kw).result()
@@ -242,6 +255,7 @@ def pytest_sessionfinish(session):
     if _CLI is not None:
         _CLI.close()
         _CLI = None
+    close_fork_servers()
 
 
 @pytest.fixture
@@ -255,9 +269,12 @@ def quiet_pool(cli):
 def run_cli(tmp_path):
     def run(*args: str, cmd: list[str] | None = None, cwd: Path | None = None,
             timeout: float = 180, verify: bool = False) -> Result:
-        cmd = cmd or [sys.executable, "-m", "nanhunt"]
-        proc = subprocess.run([*cmd, *_with_verify(args, verify)], cwd=cwd or tmp_path,
-                              capture_output=True, text=True, timeout=timeout, env=cli_env())
+        if cmd is None:  # a launcher named by the test runs as itself
+            proc = run_nanhunt(_with_verify(args, verify), cwd or tmp_path, timeout=timeout)
+        else:
+            proc = subprocess.run([*cmd, *_with_verify(args, verify)], cwd=cwd or tmp_path,
+                                  capture_output=True, text=True, timeout=timeout,
+                                  env=cli_env())
         return Result(proc, (cwd or tmp_path) / "nanhunt-report", cwd or tmp_path)
 
     return run

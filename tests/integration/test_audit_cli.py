@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clirun import run_nanhunt
 
 ROOT = Path(__file__).resolve().parents[2]
 EX = ROOT / "examples"
@@ -31,8 +32,7 @@ CASES = {
 
 
 def _run(args, cwd):
-    return subprocess.run([sys.executable, "-m", "nanhunt", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    return run_nanhunt(args, cwd, timeout=300)
 
 
 def _audit(out: Path, name: str) -> tuple:

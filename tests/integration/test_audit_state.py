@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clirun import run_nanhunt
 from torch import nn
 
 import nanhunt
@@ -30,9 +31,8 @@ def cli_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("stateful")
     plain = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True,
                            text=True, timeout=300)
-    audited = subprocess.run([sys.executable, "-m", "nanhunt", "audit", "--quiet", "--out",
-                              str(out), str(SCRIPT)], cwd=ROOT, capture_output=True,
-                             text=True, timeout=300)
+    audited = run_nanhunt(["audit", "--quiet", "--out", str(out), str(SCRIPT)], ROOT,
+                          timeout=300)
     return plain, audited, json.loads((out / "report.json").read_text())
 
 

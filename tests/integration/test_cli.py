@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from clirun import interruptible
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -204,7 +205,7 @@ def test_real_ctrl_c_during_training(tmp_path):
             if step == 5:
                 print("ready", flush=True)
     """))
-    proc = subprocess.Popen([sys.executable, "-m", "nanhunt", "diagnose", str(script)],
+    proc = interruptible([sys.executable, "-m", "nanhunt", "diagnose", str(script)],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     assert proc.stdout.readline().strip() == "ready"

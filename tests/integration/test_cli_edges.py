@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from clirun import interruptible
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -123,7 +124,7 @@ def _interrupt_after(tmp_path: Path, script_text: str, trigger: str) -> tuple[in
     finished import to stderr), so that each test hits its phase on a loaded machine too."""
     script = tmp_path / "train.py"
     script.write_text(script_text)
-    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "nanhunt", "diagnose",
+    proc = interruptible([sys.executable, "-X", "importtime", "-m", "nanhunt", "diagnose",
                              str(script)], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     seen = []
@@ -182,7 +183,7 @@ def test_ctrl_c_at_fixed_early_delays(tmp_path, quiet_pool):
     script.write_text(_LOOP)
     for delay in (0.3, 0.6, 1.0):
         out = tmp_path / f"out-{delay}"
-        proc = subprocess.Popen([sys.executable, "-m", "nanhunt", "diagnose", "--out", str(out),
+        proc = interruptible([sys.executable, "-m", "nanhunt", "diagnose", "--out", str(out),
                                  str(script)], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         time.sleep(delay)

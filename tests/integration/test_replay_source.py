@@ -8,11 +8,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from clirun import run_nanhunt
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -56,9 +56,8 @@ def _diagnose(tmp: Path, name: str) -> tuple[Path, Path, str, subprocess.Complet
         call = "self.wo(self.act(self.wi(x)))"
     out = tmp / "report"
     # --verify 0: the op table and its source column are the same with or without re-runs
-    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--verify",
-                           "0", "--out", str(out), str(script)], capture_output=True, text=True,
-                          timeout=300, env=ENV)
+    proc = run_nanhunt(["diagnose", "--quiet", "--verify", "0", "--out", str(out), str(script)],
+                       tmp, env=ENV, timeout=300)
     return out, script, call, proc
 
 
@@ -95,9 +94,8 @@ def test_the_html_op_table_has_its_source_column(diagnosed):
 
 def test_nanhunt_replay_shows_the_source(diagnosed):
     out, script, _call = diagnosed
-    proc = subprocess.run([sys.executable, "-m", "nanhunt", "replay", str(out / "snapshot.pt"),
-                           "--script", str(script)], capture_output=True, text=True,
-                          timeout=300, env=dict(ENV, COLUMNS="200"))
+    proc = run_nanhunt(["replay", str(out / "snapshot.pt"), "--script", str(script)],
+                       out.parent, env=dict(ENV, COLUMNS="200"), timeout=300)
     assert proc.returncode == 0, proc.stderr
     rows = [ln for ln in proc.stdout.splitlines() if "aten." in ln and "│" in ln]
     assert rows

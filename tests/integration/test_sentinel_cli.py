@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from clirun import run_nanhunt
 
 SCRIPT = '''
 import sys, torch
@@ -46,9 +47,8 @@ def _run(cwd: Path, mode: str, arch: str) -> tuple[subprocess.CompletedProcess, 
     out = cwd / f"report-{mode}-{arch}"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     # --verify 0: where the failure is and what the script printed do not depend on re-runs
-    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--mode", mode,
-                           "--verify", "0", "--out", str(out), "--quiet", str(script), arch],
-                          cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+    proc = run_nanhunt(["diagnose", "--mode", mode, "--verify", "0", "--out", str(out),
+                        "--quiet", str(script), arch], cwd, env=env, timeout=300)
     return proc, json.loads((out / "report.json").read_text())
 
 
@@ -85,9 +85,8 @@ def test_sentinel_mode_finds_what_full_tracing_finds(runs, arch):
 
 
 def test_sample_every_is_refused_with_sentinel(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--mode", "sentinel",
-                           "--sample-every", "5", "train.py"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+    proc = run_nanhunt(["diagnose", "--mode", "sentinel", "--sample-every", "5", "train.py"],
+                       tmp_path, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "nanhunt: --sample-every applies to --mode full only"
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from clirun import run_nanhunt
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -54,9 +53,8 @@ def _steps(tmp_path, kind: str, mode: str, n: int) -> tuple[int, dict]:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     out = tmp_path / f"r-{kind}-{mode}"
-    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--out",
-                           str(out), str(script), kind, mode, str(n)], capture_output=True,
-                          text=True, timeout=300, env=ENV)
+    proc = run_nanhunt(["diagnose", "--quiet", "--out", str(out), str(script), kind, mode,
+                        str(n)], tmp_path, env=ENV, timeout=300)
     return proc.returncode, json.loads((out / "report.json").read_text())
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from clirun import run_nanhunt
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -105,10 +106,8 @@ def test_overflow_in_a_half_submodule(run_callback):
 
 def _cli_diagnose(cwd: Path) -> subprocess.CompletedProcess:
     # --verify 0: the step and the target do not depend on re-runs
-    return subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--verify",
-                           "0", "--out", str(cwd / "report"), str(SCRIPT),
-                           "--output-dir", str(cwd / "hf")],
-                          capture_output=True, text=True, timeout=300, cwd=cwd)
+    return run_nanhunt(["diagnose", "--quiet", "--verify", "0", "--out", str(cwd / "report"),
+                        str(SCRIPT), "--output-dir", str(cwd / "hf")], cwd, timeout=300)
 
 
 def _crash(cwd: Path) -> subprocess.CompletedProcess:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clirun import interruptible, run_nanhunt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_fixes import run_script  # the in-process runner of the fix tests
@@ -27,8 +28,7 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
 
 def diagnose(cwd: Path, *args: str, timeout: float = 400) -> tuple[int, str, dict | None]:
-    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout, env=ENV)
+    proc = run_nanhunt(["diagnose", *args], cwd, env=ENV, timeout=timeout)
     path = cwd / "nanhunt-report" / "report.json"
     return proc.returncode, proc.stderr, json.loads(path.read_text()) if path.exists() else None
 
@@ -180,7 +180,7 @@ def test_reruns_keep_the_users_checkpoint(runs, reports):
 
 
 def test_ctrl_c_during_verification_keeps_the_report(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "nanhunt", "diagnose",
+    proc = interruptible([sys.executable, "-m", "nanhunt", "diagnose",
                              str(SCRIPTS / "t5_siblings.py")], cwd=tmp_path, env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen = ""
