@@ -253,4 +253,6 @@ CURVE_ADVICE: dict[str, tuple[Builder, ...]] = {
     "loss-divergence": (_qk_layernorm, _logit_cap, _z_loss, _lower_lr, _clip, _warmup),
     "loss-spike": (_qk_layernorm, _logit_cap, _z_loss, _lower_lr, _clip, _warmup),
     "loss-stall": (_fp32_weights,),
+    "loss-plateau": (_qk_layernorm, _logit_cap, _z_loss, _warmup),
+    "post-ln-warmup": (_warmup, _lower_lr),
 }

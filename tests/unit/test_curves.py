@@ -347,3 +347,145 @@ def test_html_and_tensorboard_carry_the_signals(tmp_path):
         layer.logit_amax_by_step = {}
     plain = export_tensorboard(t, tmp_path / "plain")
     assert n - plain == 30 * 3 + 30  # update_ratio, weight and update norms; the logits
+
+
+# ----------------------------------------------------------------------------- a stall by slope
+
+
+def _lined(losses, lrs=None, skipped=()):
+    steps = [StepRecord(index=i, loss=v, grad_norm=1.0, skipped=i in skipped,
+                        lr=lrs[i] if lrs else None) for i, v in enumerate(losses)]
+    t = Trace(run=RunInfo(target="float32"), steps=steps)
+    diagnose(t, strict=True)
+    return t
+
+
+def _stalled(seed=0, at=20, n=36, noise=0.02):
+    rng = random.Random(seed)
+    fall = [3.0 - 0.05 * i + noise * rng.uniform(-1, 1) for i in range(at)]
+    return fall + [3.0 - 0.05 * at + noise * rng.uniform(-1, 1) for _ in range(n - at)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_loss_that_stops_falling_at_its_pace_is_a_stall(seed):
+    t = _lined(_stalled(seed), lrs=[1e-3] * 36)
+    d = t.diagnosis
+    # step 20 is the first flat one and on the falling line too: either is the break
+    assert (d.rule, d.kind) == ("loss-plateau", "stall") and d.step in (20, 21)
+    # the pace the test built: 0.05 a step; the line it would have followed: 2.0 - 0.05 x 8
+    assert d.data["pace"] == pytest.approx(-0.05, rel=0.1)
+    assert abs(d.data["flat"]) < 0.01
+    assert d.data["level"] == pytest.approx(2.0, abs=0.03)
+    assert "would have reached 1.6" in d.message or "would have reached 1.5" in d.message
+
+
+def test_a_loss_slowing_into_its_floor_is_no_stall():
+    """Exponential decays (four rates, 2% and 10% noise; 0 of 1600 alarmed when measured)."""
+    alarms = sum(curves.stall(list(enumerate(falling(60, rate=r, noise=nz, seed=s))))
+                 is not None for s in range(30) for r in (0.02, 0.05, 0.1, 0.2)
+                 for nz in (0.02, 0.1))
+    assert alarms == 0
+
+
+def test_a_stationary_noisy_loss_is_no_stall():
+    rng = np.random.default_rng(0)
+    assert not any(curves.stall(list(enumerate((2 + 0.3 * rng.standard_normal(50)).tolist())))
+                   for _ in range(200))
+
+
+def test_a_schedule_that_cuts_the_lr_flattens_the_loss_quietly():
+    lrs = [1e-3] * 20 + [1e-5] * 16  # a step decay x0.01 at step 20
+    assert _lined(_stalled(), lrs=lrs).diagnosis is None
+    # cosine with warm restarts every 12 steps: each cycle falls, then flattens as lr -> 0
+    lr = [1e-3 * 0.5 * (1 + math.cos(math.pi * (i % 12) / 12)) for i in range(48)]
+    loss, v = [], 3.0
+    for i in range(48):
+        v -= 50 * lr[i] * 0.05 * v
+        loss.append(v * (1 + 0.01 * math.sin(i)))
+    assert _lined(loss, lrs=lr).diagnosis is None
+
+
+def test_warmup_a_recovering_spike_and_scaler_skips_are_no_stall():
+    rng = random.Random(1)
+    warm = [3.0 - 0.004 * i * i + 0.02 * rng.uniform(-1, 1) for i in range(12)]
+    line = [warm[-1] - 0.05 * i + 0.02 * rng.uniform(-1, 1) for i in range(1, 25)]
+    assert _lined(warm + line).diagnosis is None
+    spiked = [3.0 - 0.05 * i + 0.02 * rng.uniform(-1, 1) for i in range(40)]
+    spiked[18] *= 3  # recovers at once
+    t = _lined(spiked)
+    assert t.diagnosis is None and not by_rule(t, "loss-plateau")
+    # GradScaler with growth_interval 2: every third step skipped, its loss the previous one's
+    skips = {i for i in range(40) if i % 3 == 2}
+    stairs, v = [], 3.0
+    for i in range(40):
+        v -= 0 if i in skips else 0.05
+        stairs.append(v + 0.02 * rng.uniform(-1, 1))
+    assert _lined(stairs, skipped=skips).diagnosis is None
+
+
+def test_a_stall_explained_by_saturating_attention_names_the_module():
+    n = 36
+    layers = [lay("blocks.0.attn", "Attention", fwd=[1.0] * n,
+                  logits=[1.5] * 14 + [300.0] * (n - 14)),
+              lay("blocks.1.attn", "Attention", fwd=[1.0] * n, logits=[1.5] * n),
+              lay("head", fwd=[2.0] * n)]
+    t = trace_of(_stalled(), layers=layers)
+    f = by_rule(t, "loss-plateau")[0]
+    assert (f.kind, f.module) == ("logit_growth", "blocks.0.attn")
+
+
+# ----------------------------------------------------------------------------- post-LN, no warm-up
+
+
+def _transformer_layers(post_ln, n):
+    """Two blocks' layers in the order their calls return: post-LN runs attn, ln1, mlp, ln2;
+    pre-LN ln1, attn, ln2, mlp."""
+    out = []
+    for b in range(2):
+        p = f"blocks.{b}"
+        attn = [lay(f"{p}.attn.qkv", fwd=[1.0] * n), lay(f"{p}.attn", "Attention", params=0,
+                                                         fwd=[1.0] * n, logits=[2.0] * n)]
+        mlp = [lay(f"{p}.mlp.0", fwd=[1.0] * n), lay(f"{p}.mlp", "Sequential", params=0,
+                                                     fwd=[1.0] * n)]
+        ln1, ln2 = lay(f"{p}.ln1", "LayerNorm", fwd=[1.0] * n), lay(f"{p}.ln2", "LayerNorm",
+                                                                       fwd=[1.0] * n)
+        kids = [*attn, ln1, *mlp, ln2] if post_ln else [ln1, *attn, ln2, *mlp]
+        out += [*kids, lay(p, "Block", params=0, fwd=[1.0] * n)]
+    return [*out, lay("head", fwd=[1.0] * n)]
+
+
+def _run(post_ln, lrs, losses, opt_beta2=None):
+    from nanhunt.analyse.advise import advise
+    from nanhunt.trace import OptimizerInfo
+
+    steps = [StepRecord(index=i, loss=v, grad_norm=1.0, lr=lrs[i]) for i, v in enumerate(losses)]
+    t = Trace(run=RunInfo(target="float32"), steps=steps,
+              layers=_transformer_layers(post_ln, len(losses)),
+              optimizers=[OptimizerInfo("Adam", lr=lrs[0], beta2=opt_beta2)])
+    diagnose(t, strict=True)
+    advise(t)
+    return t
+
+
+def _stuck(n=24):
+    rng = random.Random(3)
+    return [1.25, 0.9, 2.6, 1.9] + [1.4 + 0.03 * rng.uniform(-1, 1) for _ in range(n - 4)]
+
+
+def test_a_post_ln_transformer_without_warmup_that_does_not_learn_is_named():
+    t = _run(True, [0.03] * 24, _stuck(), opt_beta2=0.98)
+    d = t.diagnosis
+    assert (d.rule, d.kind, d.module) == ("post-ln-warmup", "lr_too_high", "blocks.0")
+    assert d.data["blocks"] == ["blocks.0", "blocks.1"]
+    assert any("attn, ln1, mlp, ln2" in e for e in d.evidence)
+    warm = next(r for r in t.recommendations if r.type == "lr_warmup")
+    # Adam's second-moment horizon 2 / (1 - beta2) with the script's beta2 0.98: 100 steps
+    assert warm.value == 100 and warm.fix == ["warmup=100"] and not warm.code_change
+    assert "add_lr_warmup(optimizer, 100)" in warm.snippet
+
+
+def test_pre_ln_or_a_warmup_or_a_loss_that_falls_is_no_post_ln_finding():
+    assert not by_rule(_run(False, [0.03] * 24, _stuck()), "post-ln-warmup")
+    warming = [0.03 * min(1.0, (i + 1) / 10) for i in range(24)]
+    assert not by_rule(_run(True, warming, _stuck()), "post-ln-warmup")
+    assert not by_rule(_run(True, [0.03] * 24, falling(24)), "post-ln-warmup")

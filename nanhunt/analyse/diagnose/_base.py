@@ -22,6 +22,7 @@ KINDS = (
     "lr_too_high",
     "loss_scale",
     "logit_growth",
+    "stall",
 )
 
 #: Which error explains the first failure when several rules fire, first match wins. Root causes
@@ -46,11 +47,14 @@ PRECEDENCE = (
     "exploding-gradient",
     # failures without a NaN (curves.py): errors only while every value is finite, explained by
     # the signal that moved first; after the growth rules, whose findings (Adam's steps of lr,
-    # gradients exploding through time in a recurrence) name a cause more precisely
+    # gradients exploding through time in a recurrence) name a cause more precisely; a post-LN
+    # transformer without warm-up names the architecture the others' symptoms come from
+    "post-ln-warmup",
     "loss-stall",
     "logit-growth",
     "loss-divergence",
     "loss-spike",
+    "loss-plateau",
     "forward-overflow",
     "backward-overflow",
     "skip-streak",  # skips are often a symptom: an explosion or an op above explains them
@@ -59,7 +63,7 @@ PRECEDENCE = (
 #: Rules whose errors are the diagnosis even when no value went non-finite.
 ALWAYS_PRIMARY = ("scaler-crash", "range-constant", "scaler-misuse", "exploding-gradient",
                   "skip-streak", "weight-growth", "logit-growth", "loss-divergence", "loss-spike",
-                  "loss-stall")
+                  "loss-stall", "loss-plateau", "post-ln-warmup")
 
 #: Errors a primary diagnosis explains: they are its consequences, not warnings of their own
 #: (a misused GradScaler makes updates that look like a learning rate too high).

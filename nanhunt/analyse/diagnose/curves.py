@@ -545,3 +545,307 @@ def stall_against(trace: Trace, reference: list[tuple[int, float]], noise: float
                     [f"loss at step {common[0]}: {_n(mine[common[0]])} here, "
                      f"{_n(ref[common[0]])} in float32"], rule="loss-stall", kind="underflow",
                     step=last, score=6.0, data={"gap": gap, "noise": noise})
+
+
+# ----------------------------------------------------------------------------- a stall by slope
+
+#: steps of each window whose slope the stall rule reads
+STALL_WINDOW = 8
+#: the pace before the break: the window just before it fell at least this share of the
+#: window before that (a steady pace, not a curve slowing into its floor)
+STALL_STEADY = 0.5
+#: flat: after the break the loss fell at most this share of the pace before it
+STALL_FLAT = 0.25
+#: the fall over the window before the break, in noise units (the step-to-step spread)
+STALL_Z = 8.0
+#: a stall at or below this share of the first loss is the loss reaching its floor
+STALL_FLOOR = 0.05
+#: the lr after the break at least this share of the lr before it (a schedule decaying it to
+#: nothing flattens the loss by design)
+STALL_LR = 0.5
+
+
+def slope(points: list[tuple[int, float]]) -> float:
+    """Theil-Sen: the median of the slopes between every pair of points (robust to a spike)."""
+    pairs = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.combinations(points, 2)
+             if b[0] != a[0]]
+    return statistics.median(pairs) if pairs else 0.0
+
+
+def noise(values: list[float]) -> float:
+    """The step-to-step noise of a curve: 1.4826 x the median absolute change / sqrt 2 (blind to
+    a trend)."""
+    steps = [abs(b - a) for a, b in itertools.pairwise(values)]
+    return 1.4826 * statistics.median(steps) / math.sqrt(2) if steps else 0.0
+
+
+@dataclass
+class Stall:
+    onset: int  # the first step of the flat part
+    pace: float  # the loss's slope (per step) over the window before it
+    earlier: float  # the slope over the window before that
+    flat: float  # the slope from the onset to the end
+    level: float  # the median loss from the onset on
+    predicted: float  # the loss the earlier pace predicted at step ``until``
+    last: int  # the last step
+    noise: float
+    lr: tuple[float, float] | None = None  # median lr before and after the onset
+    until: int = 0  # STALL_WINDOW steps after the onset (or the last step)
+
+
+def stall(points: list[tuple[int, float]], lrs: dict[int, float] | None = None) -> Stall | None:
+    """The loss stopped falling at a pace it had kept: over two windows of STALL_WINDOW steps it
+    fell steadily (the later at least STALL_STEADY x as fast as the earlier, and by STALL_Z noise
+    units or more), then from the onset to the last step it fell at most STALL_FLAT x that pace,
+    above STALL_FLOOR x its first value, with the lr (where recorded) not cut below STALL_LR x
+    its value before, and inside a band (1.4826 x the median absolute deviation from its
+    median) STALL_Z x narrower than the window's fall. A curve slowing into its floor
+    (exponential decay), a schedule that decays the lr, a spike or a restart fail one of these.
+    The earliest onset."""
+    w = STALL_WINDOW
+    if len(points) < 3 * w:
+        return None
+    values = [v for _, v in points]
+    sigma = max(noise(values), 1e-12)
+    first = values[0]
+    for k in range(2 * w, len(points) - w + 1):
+        earlier, before, after = points[k - 2 * w:k - w], points[k - w:k], points[k:]
+        s0, s1 = slope(earlier), slope(before)
+        if s1 >= 0 or s0 >= 0 or s1 > STALL_STEADY * s0 or -s1 * w < STALL_Z * sigma:
+            continue
+        # flat just after the break, and to the end
+        if slope(after[:w]) < STALL_FLAT * s1 or slope(after) < STALL_FLAT * s1:
+            continue
+        level = statistics.median(v for _, v in after)
+        if first > 0 and level <= STALL_FLOOR * first:
+            continue
+        # flat means inside a band much narrower than the fall the pace predicted (a saw-tooth
+        # of restarts swings as far as it falls)
+        band = 1.4826 * statistics.median(abs(v - level) for _, v in after)
+        if -s1 * w < STALL_Z * band:
+            continue
+        lr = None
+        if lrs:
+            lb = [lrs[s] for s, _ in before if lrs.get(s) is not None]
+            la = [lrs[s] for s, _ in after if lrs.get(s) is not None]
+            if lb and la:
+                lr = (statistics.median(lb), statistics.median(la))
+                if lr[1] < STALL_LR * lr[0]:
+                    continue
+        k = _break(points, k, s1)
+        at, until = points[k - 1], points[min(k + w, len(points)) - 1]
+        return Stall(points[k][0], s1, s0, slope(points[k:]), level,
+                     at[1] + s1 * (until[0] - at[0]), points[-1][0], sigma, lr, until[0])
+    return None
+
+
+def _break(points: list[tuple[int, float]], k0: int, pace: float) -> int:
+    """The onset near the first index ``k0`` that qualified: the index where a line of slope
+    ``pace`` up to it and a constant after it fit the STALL_WINDOW steps on each side best (the
+    first qualifying index can sit a few steps early: a window that is mostly flat already
+    reads flat)."""
+    w = STALL_WINDOW
+
+    def cost(k: int) -> float:
+        before, after = points[k - w:k], points[k:k + w]
+        line = statistics.median(v - pace * s for s, v in before)
+        flat = statistics.median(v for _, v in after)
+        return sum(abs(v - line - pace * s) for s, v in before) + \
+            sum(abs(v - flat) for _, v in after)
+
+    return min(range(k0, min(k0 + w, len(points) - w) + 1), key=cost)
+
+
+def _unchanged_after(trace: Trace, onset: int) -> tuple[str, float] | None:
+    """The param group whose updates left the largest median share of its elements unchanged
+    from ``onset`` on."""
+    by: dict[str, list[float]] = {}
+    for st in trace.signals:
+        if st.step >= onset:
+            for g in st.groups:
+                if g.unchanged is not None:
+                    by.setdefault(g.group, []).append(g.unchanged)
+    if not by:
+        return None
+    name = max(by, key=lambda g: statistics.median(by[g]))
+    return name, statistics.median(by[name])
+
+
+@rule(id="loss-plateau", kind="stall", needs=("loss",))
+def loss_plateau(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """The loss stopped falling at the pace it had kept: over two windows of eight steps it fell
+    steadily, then from one step to the end it fell at most a quarter as fast, with the learning
+    rate not cut by the schedule: the run's own earlier slope says it should still fall."""
+    if ctx.failure is not None:
+        return
+    pts = losses(trace)
+    lrs = {s.index: s.lr for s in trace.steps if s.lr is not None}
+    st = stall(pts, lrs)
+    if st is None:
+        return
+    ex = explain(trace, ctx, st.onset, f"before the loss stopped falling at step {st.onset}")
+    evidence = [f"loss: fell {-st.earlier:.3g} then {-st.pace:.3g} a step over the "
+                f"{2 * STALL_WINDOW} steps before step {st.onset} (its noise is {st.noise:.2g} a "
+                f"step), then {-st.flat:.2g} a step to step {st.last}: it stayed about "
+                f"{_n(st.level)}, where that pace would have reached {_n(st.predicted)} by step "
+                f"{st.until}"]
+    if st.lr is not None:
+        evidence.append(f"the lr was {st.lr[0]:.3g} before and {st.lr[1]:.3g} after: the "
+                        "schedule did not cut it")
+    kind = ex.kind if ex.mover is not None and ex.module is not None else "stall"
+    rounded = _unchanged_after(trace, st.onset)
+    if kind == "stall" and rounded is not None and rounded[1] >= UNCHANGED:
+        kind = "underflow"
+        evidence.append(f"from step {st.onset} the updates left a median {rounded[1]:.0%} of "
+                        f"{rounded[0]}'s elements exactly unchanged: they round away")
+    ratios = group_ratios(trace, st.last)
+    for group, pts_g in ratios.items():
+        before = [v for s, v in pts_g if s < st.onset]
+        after = [v for s, v in pts_g if s >= st.onset]
+        if before and after:
+            b, a = statistics.median(before), statistics.median(after)
+            evidence.append(f"param group {group}: updates of {b:.2g} of the weights' norm a "
+                            f"step before, {a:.2g} after")
+    message = (f"the loss stopped falling at step {st.onset}: about {_n(st.level)} to step "
+               f"{st.last}, where its earlier pace ({-st.pace:.3g} a step) would have reached "
+               f"{_n(st.predicted)} by step {st.until}")
+    if kind in ("stall", "underflow"):
+        yield _finding("error", message, evidence + ex.evidence, kind=kind,
+                       phase="optimizer", step=st.onset, score=6.0,
+                       data={"onset": st.onset, "pace": st.pace, "flat": st.flat,
+                             "level": st.level, "group": ex.group, "update_ratio": ex.ratio,
+                             "lr": ex.lr})
+        return
+    ex.kind = kind
+    yield _finding_for(ctx, ex, message, evidence, st.onset,
+                       {"onset": st.onset, "pace": st.pace, "flat": st.flat, "level": st.level})
+
+
+# ----------------------------------------------------------------------------- post-LN, no warm-up
+
+
+def post_ln_blocks(trace: Trace) -> list[tuple[str, list[str]]]:
+    """Blocks whose normalisation follows their sublayers (post-LN, Xiong et al. 2020): a module
+    whose children with weights include an attention and two or more normalisations, the
+    attention returning before the first of them and a normalisation returning last (in a
+    pre-LN block the feed-forward returns last). (block, its children in the order they
+    returned), from the order of the trace's layers (calls in the order they returned)."""
+    layers = trace.layers
+    order = {lay.module: i for i, lay in enumerate(layers)}
+    weighted = {lay.module for lay in layers if lay.params}
+
+    def has_weights(name: str) -> bool:
+        return any(n == name or n.startswith(name + ".") for n in weighted)
+
+    def attention(name: str) -> bool:
+        return any((lay.module == name or lay.module.startswith(name + ".")) and
+                   ("attention" in lay.type.lower() or lay.logit_amax_by_step)
+                   for lay in layers)
+
+    children: dict[str, list[str]] = {}
+    for lay in layers:
+        if "." in lay.module:
+            children.setdefault(lay.module.rsplit(".", 1)[0], []).append(lay.module)
+    by_name = {lay.module: lay for lay in layers}
+    found = []
+    for parent, kids in children.items():
+        kids = sorted((k for k in kids if has_weights(k)), key=lambda k: order[k])
+        norms = [k for k in kids if is_norm_type(by_name[k].type)]
+        attn = [k for k in kids if attention(k) and k not in norms]
+        if len(norms) >= 2 and attn and kids[-1] in norms and \
+                order[attn[0]] < order[norms[0]]:
+            found.append((parent, kids))
+    return sorted(found, key=lambda b: order.get(b[0], 0))
+
+
+def _first_lrs(trace: Trace) -> list[float]:
+    """The lr of the first applied steps: the step records', else the first group's signal."""
+    lrs = [s.lr for s in sorted(trace.steps, key=lambda s: s.index)
+           if s.lr is not None and not s.skipped]
+    if not lrs:
+        lrs = [st.groups[0].lr for st in sorted(trace.signals, key=lambda s: s.step)
+               if st.groups and st.groups[0].lr is not None]
+    return [float(v) for v in lrs]
+
+
+def _grad_by_block(trace: Trace, blocks: list[str]) -> list[tuple[str, float]]:
+    """The largest parameter gradient (unscaled) inside each block at its first recorded step."""
+    out = []
+    for block in blocks:
+        vals = []
+        for lay in trace.layers:
+            if lay.module.startswith(block + ".") and lay.param_grad_amax_by_step:
+                step = min(lay.param_grad_amax_by_step)
+                vals.append(lay.param_grad_amax_by_step[step])
+        if vals:
+            out.append((block, max(vals)))
+    return out
+
+
+@rule(id="post-ln-warmup", kind="lr_too_high", needs=("layers", "loss"))
+def post_ln_warmup(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """A post-LN transformer (its blocks normalise after the residual add) trained at its full
+    learning rate from the first step, whose loss did not fall below its first value (or
+    diverged, spiked and stayed, or stopped falling): post-LN needs a warm-up (Xiong et al.
+    2020), its gradients near the output are large at initialisation."""
+    if ctx.failure is not None:
+        return
+    blocks = post_ln_blocks(trace)
+    lrs = _first_lrs(trace)
+    pts = losses(trace)
+    if not blocks or len(lrs) < 3 or len(pts) < 8:
+        return
+    head = lrs[: max(3, min(10, len(lrs)))]
+    if lrs[0] < 0.9 * max(head):
+        return  # the lr rises over the first steps: a warm-up
+    values = [v for _, v in pts]
+    sigma = noise(values)
+    tail = values[-max(3, len(values) // 4):]
+    failed = []
+    if statistics.median(tail) > values[0] - 2 * sigma:
+        failed.append(f"the loss did not fall: {_n(values[0])} at step {pts[0][0]}, a median "
+                      f"{_n(statistics.median(tail))} over its last {len(tail)} steps (noise "
+                      f"{sigma:.2g} a step)")
+    d = divergence(pts)
+    if d is not None:
+        failed.append(f"it diverged from step {d.onset}")
+    if any(sp.recovered is None and sp.observed >= RECOVER_WINDOW for sp in spikes(pts)):
+        failed.append("a loss spike did not recover")
+    st = stall(pts, {s.index: s.lr for s in trace.steps if s.lr is not None})
+    if st is not None:
+        failed.append(f"the loss stopped falling at step {st.onset}")
+    if not failed:
+        return
+    names = [b for b, _ in blocks]
+    first, kids = blocks[0]
+    short = [k.rsplit(".", 1)[-1] for k in kids]
+    evidence = [f"{len(names)} post-LN block{'s' if len(names) > 1 else ''} ({', '.join(names[:4])}"
+                + (", ..." if len(names) > 4 else "") + f"): in {first} the sublayers returned "
+                f"in the order {', '.join(short)}; a normalisation runs after each sublayer "
+                "(after the residual add), none before",
+                f"the lr was {lrs[0]:.3g} from the first step: no warm-up",
+                *failed]
+    ratios = group_ratios(trace, pts[-1][0])
+    for group, gp in ratios.items():
+        early = [v for _, v in gp[:3]]
+        if early:
+            evidence.append(f"param group {group}: the first updates changed its weights by "
+                            f"{max(early):.2g} of their norm (about {UPDATE_RATIO_TARGET:g} is "
+                            "healthy; Adam's first steps are lr-sized for every weight)")
+    grads = _grad_by_block(trace, names)
+    if len(grads) >= 2 and grads[0][1] > 0:
+        r = grads[-1][1] / grads[0][1]
+        evidence.append(f"at the first step the largest parameter gradient in {grads[-1][0]} "
+                        f"(nearest the output) was {r:.3g}x that in {grads[0][0]}"
+                        + (": post-LN's gradients are largest near the output at "
+                           "initialisation (Xiong et al. 2020), which a warm-up tempers"
+                           if r > 1 else ""))
+    ex = explain(trace, ctx, pts[-1][0], "during the run")
+    evidence += [e for e in ex.evidence if not e.startswith("param group")]
+    group, ratio = ex.group, ex.ratio
+    yield _finding(
+        "error", f"a post-LN transformer ({first} and its like) trained at lr {lrs[0]:.3g} from "
+        f"the first step, without warm-up: {failed[0]}", evidence, phase="optimizer",
+        step=pts[0][0], module=first, score=7.0,
+        data={"blocks": names, "lr": lrs[0], "group": group, "update_ratio": ratio,
+              "failed": failed})
