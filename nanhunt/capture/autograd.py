@@ -133,10 +133,10 @@ class AutogradObserver(Part):
             return
         comm = getattr(self.s, "comm", None)
         # a sharded FSDP2 parameter's gradient is the reduce-scatter's output
-        phase = "communication" if comm is not None and comm.fsdp_reduction(p, f"{name}.grad") \
-            else "backward"
+        sharded = comm is not None and comm.fsdp_reduction(p, f"{name}.grad")
         self.rec.queue(g, _Meta(
-            step=self.s._step, order=self.cur.next_order(), phase=phase, module=owner,
+            step=self.s._step, order=self.cur.next_order(),
+            phase="communication" if sharded else "backward", module=owner,
             tensor=f"{name}.grad", role="param_grad", dtype=str(g.dtype).removeprefix("torch."),
-            shape=tuple(g.shape), owner=owner,
+            shape=tuple(g.shape), owner=owner, sharded=sharded,
         ))

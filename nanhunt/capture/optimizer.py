@@ -21,6 +21,7 @@ from nanhunt.capture._util import (
     patch,
     user_frame,
 )
+from nanhunt.capture.shards import is_sharded
 from nanhunt.capture.state import OptimizerSnapshot, Part, _Meta
 from nanhunt.trace import OptimizerInfo
 
@@ -331,14 +332,18 @@ class OptimizerObserver(Part):
         self.cur.grad_params, self.cur.opt_params = {}, None
         if not grads:
             return
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            if not g.is_sparse:
-                by_device.setdefault(g.device, []).append(g)
-        total = None
-        for device_grads in by_device.values():
-            norms = torch.stack(_foreach_norm(device_grads, 2.0))
-            part = norms.double().pow(2).sum()
-            total = part if total is None else total + part.to(total.device)
-        if total is not None:
-            self.rec.scalar(total, "grad_sumsq")
+        # a sharded gradient's sum of squares is this rank's shard's: the recorder adds the
+        # ranks' up (capture/shards.py)
+        for key, part_grads in (("grad_sumsq", [g for g in grads if not is_sharded(g)]),
+                                ("grad_sumsq_sharded", [g for g in grads if is_sharded(g)])):
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for g in part_grads:
+                if not g.is_sparse:
+                    by_device.setdefault(g.device, []).append(g)
+            total = None
+            for device_grads in by_device.values():
+                norms = torch.stack(_foreach_norm(device_grads, 2.0))
+                part = norms.double().pow(2).sum()
+                total = part if total is None else total + part.to(total.device)
+            if total is not None:
+                self.rec.scalar(total, key)

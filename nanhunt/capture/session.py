@@ -488,6 +488,11 @@ class Session:
         notes = [f"nanhunt stopped tracing after an internal error: {e}"
                  for e in self.internal_errors]
         compiled = sorted(getattr(getattr(self, "modules", None), "compiled", ()))
+        if self.recorder.reducer.failed:
+            notes.append(
+                "the statistics of sharded tensors (FSDP2 parameter gradients, the gradient "
+                "norm) are this rank's shards' from the step the reduction across ranks failed "
+                f"on: {self.recorder.reducer.failed}")
         comm = getattr(self, "comm", None)
         if comm is not None:
             comm.find_units()

@@ -37,6 +37,7 @@ class _Meta:
     allowed: bool = False
     approx: Any = None  # a cheap row (counts are flags): weakref to the tensor to redo exactly
     call: int | None = None  # for a gradient row: the module call whose backward made it
+    sharded: bool = False  # computed on this rank's shard of a DTensor (reduced across ranks)
 
 
 @dataclass

@@ -464,7 +464,9 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_fsdp2_mixed_precision_overflow_on_one_rank_names_the_layer_and_rank(tmp_path, dtype):
     """FSDP2 with MixedPrecisionPolicy(param_dtype=...): statistics on the local shards (no
-    DTensor op), module names as the user wrote them, the overflowing layer on rank 1."""
+    DTensor op) reduced across the ranks (against torch's full_tensor() in the script), module
+    names as the user wrote them, the overflowing layer on rank 1, float32 advice as a change
+    of the policy."""
     proc = _run(_torchrun("--quiet", "--out", "out", str(SCRIPTS / "fsdp2_overflow.py"),
                           "--param-dtype", dtype, "--plant"), tmp_path)
     assert "internal error" not in proc.stderr, proc.stderr
@@ -480,6 +482,26 @@ def test_fsdp2_mixed_precision_overflow_on_one_rank_names_the_layer_and_rank(tmp
     assert {"0", "2", "3"} <= modules  # unsharded names, no FSDP prefix
     assert [(r["rank"], r["answered"], len(r["steps"])) for r in report["ranks"]] == [
         (0, True, 3), (1, True, 3)]
+    # the whole gradients' statistics on every rank, though each rank summarised its shard
+    printed = {}
+    for line in proc.stdout.splitlines():
+        words = line.split()
+        if words[:1] == ["rank"]:
+            printed[(int(words[1]), int(words[3]))] = (float(words[7]), float(words[9]))
+    for r in (0, 1):
+        own = json.loads((tmp_path / "out" / "ranks" / f"rank-{r}.json").read_text())
+        layer0 = next(layer for layer in own["layers"] if layer["module"] == "0")
+        for step in (0, 1):
+            gnorm, amax0 = printed[(r, step)]
+            assert layer0["param_grad_amax_by_step"][str(step)] == amax0
+            assert report["ranks"][r]["steps"][step]["grad_norm"] == pytest.approx(gnorm,
+                                                                                   rel=1e-6)
+    assert report["run"]["fsdp_policies"]["0"] == {
+        "param_dtype": dtype, "reduce_dtype": "float32", "output_dtype": None}
+    advice = next(r for r in report["recommendations"] if r["type"] == "fsdp_policy")
+    assert advice["fix"] == [] and advice["code_change"]
+    assert 'fully_shard(model.get_submodule("2"), mp_policy=fp32)' in advice["snippet"]
+    assert "autocast" not in advice["snippet"]
 
 
 @pytest.mark.slow

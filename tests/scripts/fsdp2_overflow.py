@@ -5,7 +5,8 @@
 
 With --plant, rank 1's ``boost`` layer multiplies its input by the format's max at step 2: its
 output overflows (the layer before it, ``0``, and every other rank stay finite). Prints
-``rank R step S loss X``.
+``rank R step S loss X gnorm G amax0 A``: the whole model's gradient norm and the largest
+|gradient| of layer ``0``'s parameters, computed by torch from the full (unsharded) gradients.
 """
 
 import argparse
@@ -52,8 +53,13 @@ def main():
             loss = F.mse_loss(model(x).float(), y)
             opt.zero_grad()
             loss.backward()
+            grads = [p.grad.full_tensor() for p in model.parameters()]
+            gnorm = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
+            amax0 = max(p.grad.full_tensor().abs().max().item() for p in model[0].parameters())
             opt.step()
-            print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+            print(f"rank {rank} step {step} loss {loss.item()!r} gnorm {gnorm.item()!r} "
+                  f"amax0 {amax0!r}", flush=True)
     finally:
         dist.destroy_process_group()
 

@@ -184,3 +184,132 @@ def test_no_sync_backwards_reduce_nothing_and_record_no_reduction():
     # one synchronised backward a step, two parameters each; none for the no_sync backwards
     assert sorted(rows) == [(s, "communication", t) for s in (0, 1)
                             for t in ("bias.grad", "weight.grad")]
+
+
+# ----------------------------------------------------------------------------- FSDP2
+
+
+class _Boost(nn.Module):
+    def forward(self, x):
+        return x * 1.0
+
+
+def _fsdp_model(dtype, snippet_code: str | None = None):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _Boost(), nn.Linear(16, 4))
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if snippet_code is not None:  # the advice pasted where the script shards, before the rest
+        exec(snippet_code, {"model": model, "fully_shard": fully_shard})
+    for layer in (model[0], model[3]):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def _fsdp_trace(culprit: str, dtype: str) -> nanhunt.trace.Trace:
+    from nanhunt.trace import Failure, Finding, LayerStats, RunInfo, TensorStats
+
+    policy = {"param_dtype": dtype, "reduce_dtype": "float32", "output_dtype": None}
+    trace = nanhunt.trace.Trace(run=RunInfo(target=dtype, device="cpu", world_size=2,
+                                            fsdp_policies={"": policy, "0": policy,
+                                                           "3": policy}))
+    trace.layers = [LayerStats(module=m, type=t, calls=1, dtypes=[dtype],
+                               forward=TensorStats(dtype=dtype, shape=[], numel=8, amax=1.0),
+                               forward_amax_by_step={2: 1.0})
+                    for m, t in (("0", "FSDPLinear"), ("1", "ReLU"), ("2", "Boost"),
+                                 ("3", "FSDPLinear"))]
+    stats = TensorStats(dtype=dtype, shape=[4, 16], numel=64, posinf=6)
+    trace.first_failure = Failure(step=2, phase="forward", module=culprit, tensor="output",
+                                  stats=stats)
+    trace.diagnosis = Finding(rule="forward-overflow", kind="overflow", severity="error",
+                              message="m", evidence=[], step=2, module=culprit)
+    return trace
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp32_advice_under_fsdp2_is_a_policy_that_makes_the_module_compute_in_float32(dtype):
+    """The advice for a module inside an FSDP2 unit with a half-precision param_dtype is a
+    float32 unit of its own (autocast cannot change weights FSDP2 casts); pasted into a copy of
+    the script, it makes that module compute in float32 and leaves the others in the policy."""
+    name = str(dtype).removeprefix("torch.")
+    trace = _fsdp_trace("2", name)
+    advise(trace)
+    rec = next(r for r in trace.recommendations if r.type == "fsdp_policy")
+    assert rec.fix == [] and rec.code_change and "run_in_float32" not in rec.snippet
+    seen = {}
+
+    def record(module, args, out):
+        seen[id(module)] = out.dtype
+
+    hooks = [torch.nn.modules.module.register_module_forward_hook(record)]
+    try:
+        for code in (None, rec.snippet):
+            seen.clear()
+            model = _fsdp_model(dtype, code)
+            model(torch.randn(4, 8))
+            boost, last = seen[id(model[2])], seen[id(model[3])]
+            assert boost == (torch.float32 if code else dtype)
+            assert last == dtype  # the rest keeps its policy
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_an_fsdp2_reduce_scatter_in_float16_that_overflows_is_explained_with_the_policy():
+    from nanhunt.trace import Failure, TensorStats
+
+    trace = _fsdp_trace("0", "float16")
+    trace.run.fsdp_policies["0"] = {"param_dtype": "float16", "reduce_dtype": "float16",
+                                    "output_dtype": None}
+    trace.diagnosis = None
+    trace.first_failure = Failure(
+        step=2, phase="communication", module="0", tensor="0.weight.grad",
+        stats=TensorStats(dtype="float32", shape=[16, 8], numel=64, posinf=3),
+        reduction="FSDP2 reduce-scatter of 0", reduce_dtype="float16")
+    advise(trace)
+    assert trace.diagnosis.rule == "reduction-overflow"
+    assert "reduced in float16" in trace.diagnosis.message
+    rec = next(r for r in trace.recommendations if r.type == "fsdp_policy")
+    assert "reduce_dtype=torch.float32" in rec.snippet
+    assert 'fully_shard(model.get_submodule("0"), mp_policy=policy)' in rec.snippet
+
+
+def test_sharded_statistics_cross_ranks_in_one_gather_per_step(monkeypatch):
+    """FSDP2 on one rank, with a stand-in peer holding an identical shard: every step gathers
+    once (not once per tensor), the gradient norm's sums of squares add up across the ranks
+    and the module's largest |gradient| is the larger of the shards'."""
+    from nanhunt.capture import shards
+
+    calls = []
+
+    def all_gather(outs, mine, group=None):
+        calls.append(mine.numel())
+        for out in outs:
+            out.copy_(mine)
+
+    monkeypatch.setattr(shards.ShardReducer, "world", lambda self: 2)
+    monkeypatch.setattr(dist, "new_group", lambda **kw: "group")
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    model = _fsdp_model(torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    norms = []
+    with nanhunt.watch(model, opt) as hunt:
+        for step in range(3):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum() \
+                .backward()
+            grads = [p.grad.to_local() for p in model.parameters()]
+            norms.append(float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))))
+            amax0 = max(float(p.grad.to_local().abs().max()) for p in model[0].parameters())
+            opt.step()
+            opt.zero_grad()
+    trace = hunt.trace()
+    assert len(calls) == 3  # one gather a step, for every sharded row and sum of squares
+    for rec, norm in zip(trace.steps, norms):
+        assert rec.grad_norm == pytest.approx(norm * 2 ** 0.5, rel=1e-6)
+    layer0 = next(layer for layer in trace.layers if layer.module == "0")
+    assert layer0.param_grad_amax_by_step[2] == amax0
+    assert not any("reduction across ranks failed" in n for n in trace.notes)
