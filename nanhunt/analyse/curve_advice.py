@@ -106,6 +106,31 @@ def _lower_lr(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | 
                           data={"group": group, "update_ratio": ratio, "lr": lr})
 
 
+def _lower_lr_jump(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    """After an update that replaced the weights: the cut that brings it to a healthy share of
+    the weights it started from (known after the first step), else the least cut."""
+    d = finding.data
+    group, lr, before = d.get("group"), d.get("lr"), d.get("weights_before")
+    update = d.get("update_norm")
+    if not update or not math.isfinite(update):
+        return None
+    if before:
+        factor = lr_from_update_ratio(1.0, update / before)
+        evidence = [f"param group {group}: the update's norm {update:.3g} against the weights' "
+                    f"norm {before:.3g} before it",
+                    f"x{factor:g} brings the update to about {UPDATE_RATIO_TARGET:g} of the "
+                    "weights (the update scales with the lr)"]
+    else:
+        factor = UPDATE_RATIO_TARGET
+        evidence = [f"param group {group}: the update at the first step replaced the weights "
+                    "(nanhunt does not measure the weights before the first update), so "
+                    f"x{factor:g} is the least cut; a larger one may be needed"]
+    if lr:
+        evidence.append(f"lr {lr:g} -> {lr * factor:g}")
+    return Recommendation(type="lower_lr", value=factor, module=None, snippet="",
+                          evidence=evidence, data={"group": group, "lr": lr})
+
+
 def _warmup(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
     if finding.kind not in ("lr_too_high", "logit_growth"):
         return None
@@ -251,6 +276,7 @@ Builder = Callable[[Trace, Context, Finding], Recommendation | None]
 CURVE_ADVICE: dict[str, tuple[Builder, ...]] = {
     "logit-growth": (_qk_layernorm, _logit_cap, _z_loss, _lower_lr, _warmup),
     "loss-divergence": (_qk_layernorm, _logit_cap, _z_loss, _lower_lr, _clip, _warmup),
+    "update-jump": (_lower_lr_jump,),
     "loss-spike": (_qk_layernorm, _logit_cap, _z_loss, _lower_lr, _clip, _warmup),
     "loss-stall": (_fp32_weights,),
     "loss-plateau": (_qk_layernorm, _logit_cap, _z_loss, _warmup),

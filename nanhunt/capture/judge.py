@@ -35,6 +35,9 @@ class Judge:
         # occurrence when that step left the weights unchanged
         self.traced_steps: set[int] = set()
         self.untraced_failure: Failure | None = None
+        # whether the step being judged trained with no torch optimizer (the script updates its
+        # weights itself, unseen): set by the session
+        self.updates_itself: Any = lambda: False
         # replays a skipped step's culprit without the loss scale (Hunt's snapshots); see
         # :meth:`scale_free`
         self.probe: Any = None
@@ -101,7 +104,7 @@ class Judge:
                 failure.detail = (f"step {d.index} was not traced (--sample-every): only its "
                                   "loss and gradient norm were checked")
                 self.untraced_failure = failure
-            if rec.skipped or not d.optimizer_ran:
+            if rec.skipped or not (d.optimizer_ran or self.updates_itself()):
                 return  # the weights did not change: trace the next occurrence, do not stop
         self.problem = problem
         origin_step = d

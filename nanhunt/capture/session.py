@@ -121,6 +121,10 @@ class Session:
         self.naming = Naming()
         self.recorder = Recorder(self.format, self.keep_steps, self.naming.types, self.judge)
         self.judge.recorder = self.recorder
+        # a step that ran a backward in a loop with no torch optimizer is followed by the
+        # script's own update: its weights change as after an optimizer step
+        self.judge.updates_itself = lambda: self.cur.did_backward and not (
+            self._saw_optimizer or self._optimizer_exists or self.scaler_seen)
         self.loss = LossObserver(self)
         self.scaler_obs = ScalerObserver(self)
         self.optimizer_obs = OptimizerObserver(self)

@@ -76,7 +76,14 @@ def test_no_cause_is_named_for_weights_made_non_finite_unobserved(mode):
     s = train(session)
     f = s.first_failure
     assert f is not None and f.step > BAD  # where the symptom surfaced, after the bad update
-    # (full tracing sees the next forward read the inf weight; the cheaper modes see a later
+    if mode == "sampled":
+        # step BAD + 1 was not traced (steps 0, 4, 8 are) and the script's update after it
+        # changed the weights: it is reported there, as untraced, with no cause
+        assert f.step == BAD + 1
+        d = analyse(s.trace(), s.snapshot).diagnosis
+        assert d.rule == "untraced-step" and d.kind == "" and "not traced" in d.message
+        return
+    # (full tracing sees the next forward read the inf weight; the sentinel may see a later
     # step, after the NaN gradients it made were applied to every weight)
     assert (f.module, f.step) == ("norm", BAD + 1) or mode != "full"
     assert f.observed is False and "already non-finite" in f.detail
@@ -129,3 +136,13 @@ def test_a_step_is_judged_on_the_weights_it_read_not_those_the_script_wrote_afte
     assert f.observed is not False, f.detail
     d = analyse(s.trace(), s.snapshot).diagnosis
     assert d is not None and d.kind == "overflow" and d.rule != "untraced-step"
+
+
+def test_an_untraced_failing_step_of_such_a_loop_is_reported_at_its_own_step():
+    """--sample-every: the spike step is not traced. Its weights changed after it (the script's
+    own update, as after an optimizer step), so the failure is reported there, with no cause,
+    rather than traced at the next step, whose forward reads the weights that update wrote."""
+    s = train_spike(lambda m: nanhunt.Hunt(m, sample_every=4))  # traces steps 0, 4, 8
+    assert s.first_failure.step == SPIKE
+    d = analyse(s.trace(), s.snapshot).diagnosis
+    assert d.rule == "untraced-step" and d.kind == "" and "not traced" in d.message

@@ -36,6 +36,7 @@ PRECEDENCE = (
     "reduction-overflow",  # the reduction across ranks made it: before what it feeds
     "optimizer-eps",
     "optimizer-update",
+    "update-jump",  # weights the step before replaced: what any forward made of them follows
     "scale-collapse",
     "norm-eps",
     "input-range",  # a first layer on raw input: what it makes of it (inf, NaN) follows
@@ -73,6 +74,9 @@ SUPERSEDES: dict[str, tuple[str, ...]] = {
     "input-range": ("forward-overflow", "forward-nan-op"),
     "range-constant": ("forward-nan-op", "forward-overflow"),
     "norm-eps": ("forward-nan-op", "backward-nan-op", "norm-underflow"),
+    "update-jump": ("forward-overflow", "forward-nan-op", "backward-overflow", "backward-nan-op",
+                    "loss-nan-op", "weight-growth", "exploding-gradient", "norm-underflow",
+                    "input-range"),
 }
 
 #: Score of the primary diagnosis; errors that lose to it are kept as warnings with this score.

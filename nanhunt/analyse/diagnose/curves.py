@@ -38,6 +38,11 @@ MOVED = 4.0
 #: Karpathy's rule of thumb for a healthy run is about 1e-3
 UPDATE_RATIO_HIGH = 0.1
 UPDATE_RATIO_TARGET = 1e-3
+#: an update at least this share of the weights' norm after it replaced the weights rather than
+#: nudged them (healthy steps change them by about UPDATE_RATIO_TARGET)
+UPDATE_JUMP = 0.5
+#: ... and, after the first step, grew their norm this much in one step
+JUMP_GROWTH = 10.0
 #: a stall: the update left this share of a low-precision group's elements unchanged
 UNCHANGED = 0.5
 #: logits this large make a softmax one-hot (e^-100) and its gradient vanish; Wortsman et al.
@@ -345,6 +350,59 @@ def _finding_for(ctx: Context, ex: Explanation, message: str, evidence: list[str
 
 
 # ----------------------------------------------------------------------------- the rules
+
+
+def _jump(trace: Trace, before: int) -> tuple[int, GroupSignal, float, float | None] | None:
+    """The last applied optimizer step before ``before``, when it replaced some group's weights
+    by its update: (step, the group's signals, the update ratio, the weights' norm before)."""
+    steps = sorted((st for st in trace.signals if st.step < before), key=lambda st: st.step)
+    if not steps:
+        return None
+    last = steps[-1]
+    prior = {g.group: g.weight_norm for g in steps[-2].groups} if len(steps) > 1 else {}
+    for g in last.groups:
+        r = g.update_ratio
+        if r is None or not math.isfinite(r) or r < UPDATE_JUMP:
+            continue
+        was = prior.get(g.group)
+        if last.step > 0 and not (was and g.weight_norm and math.isfinite(g.weight_norm)
+                                  and g.weight_norm >= JUMP_GROWTH * was):
+            continue  # (without an earlier norm, the first step's ratio alone decides)
+        if last.step == 0 and before > 1:
+            continue  # a zero-initialised group's first update has ratio 1: only its next step
+        return last.step, g, r, was
+    return None
+
+
+@rule(id="update-jump", kind="lr_too_high", needs=("first_failure",))
+def update_jump(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """The optimizer step before the failure replaced weights by its update: the learning
+    rate, not the format the failure overflowed."""
+    f = ctx.failure
+    if f is None or f.phase in ("data", "optimizer"):
+        return
+    found = _jump(trace, f.step)
+    if found is None:
+        return
+    step, g, ratio, was = found
+    grew = (f"from {_n(was)} to {_n(g.weight_norm)}" if was else f"to {_n(g.weight_norm)}")
+    lr = f" at lr={g.lr:g}" if g.lr else ""
+    evidence = [
+        f"param group {g.group}, step {step}: the update's norm was {_n(g.update_norm)}, "
+        f"{ratio:.2g} of the weights' norm after it (a healthy step changes them by about "
+        f"{UPDATE_RATIO_TARGET:g}); their norm went {grew}",
+        f"the failure at step {f.step} ({f.phase}, {f.module or 'outside any module'}) "
+        "computed with those weights: every value made from them is out of scale, in any "
+        "number format",
+    ]
+    yield _finding(
+        "error",
+        f"the optimizer step at step {step} replaced the weights of {g.group} by its "
+        f"update{lr}: the learning rate is too high, and the failure at step {f.step} follows "
+        "from the weights it wrote (no number format holds them)",
+        evidence, kind="lr_too_high", phase="optimizer", step=step, module=None, score=9.0,
+        data={"group": g.group, "update_ratio": ratio, "lr": g.lr, "failure_step": f.step,
+              "update_norm": g.update_norm, "weights_before": was})
 
 
 @dataclass

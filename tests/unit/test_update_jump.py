@@ -1,0 +1,58 @@
+"""A learning rate so high that one optimizer step replaces the weights (nanoGPT at lr 1e20,
+pytorch/examples' mnist at 1e30, issue 21): the forward after it overflows float32 in a float32
+run, where no float32 region can help. The diagnosis is the update, from the param group's
+signals; the reference is the weights' norms before and after the step, measured here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nanhunt
+from nanhunt.pipeline import analyse
+
+
+def train(lr, session=None, spike_at=None, norms=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+
+    def norm():
+        return float(torch.cat([p.detach().double().flatten() for p in model.parameters()]).norm())
+
+    with session(model, opt) if session else nanhunt.watch(model, opt) as hunt:
+        for step in range(4):
+            batch = x * 1e25 if step == spike_at else x  # LayerNorm's variance overflows
+            before = norm()
+            loss = nn.functional.mse_loss(model(batch), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if norms is not None:
+                norms.append((before, norm()))
+    return analyse(hunt.trace(), hunt.snapshot)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_update_that_replaced_the_weights_is_the_diagnosis(mode):
+    norms = []
+    session = None if mode == "full" else (
+        lambda m, o: nanhunt.sentinel(m, o, out=None, stop=False))
+    trace = train(1e20, session, norms=norms)
+    before, after = norms[0]
+    assert after > 1e6 * before  # the reference: step 0's update replaced the weights
+    f = trace.first_failure
+    assert (f.step, f.phase) == (1, "forward")
+    d = trace.diagnosis
+    assert (d.rule, d.kind, d.step, d.phase) == ("update-jump", "lr_too_high", 0, "optimizer")
+    assert f"{after:.3g}"[:3] in d.evidence[0]
+    recs = [r.type for r in trace.recommendations]
+    assert "fp32_module" not in recs and recs[0] == "lower_lr"
+
+
+def test_a_forward_overflow_after_healthy_updates_is_not_the_learning_rate():
+    trace = train(1e-3, spike_at=2)
+    assert (trace.first_failure.step, trace.first_failure.phase) == (2, "forward")
+    assert trace.diagnosis.rule != "update-jump"
