@@ -274,8 +274,8 @@ def classify(ex: Experiments, trace: Trace) -> None:
     said: list[str] = []
     verdict = "undetermined"
     if fp32 is None:
-        verdict = "not-precision"
         said.append("the run used no low-precision format")
+        verdict = _not_precision(ex, said)
     elif fp32.outcome == "trained":
         said.append("float32 everywhere removes the failure")
         if noscale is not None and noscale.outcome == "trained":
@@ -297,21 +297,7 @@ def classify(ex: Experiments, trace: Trace) -> None:
         said.append(f"float32 everywhere does not remove it ({fp32.outcome}"
                     + (f" at step {fp32.failure_step}" if fp32.failure_step is not None
                        else "") + ")")
-        lr = next((e for e in (_run(ex, "lr-0.1"), _run(ex, "lr-0.01"))
-                   if e is not None and e.outcome == "trained"), None)
-        skip = _run(ex, "skip-batch")
-        if lr is not None:
-            verdict = "optimisation"
-            said.append(f"a learning rate x{lr.fixes[0].split('=')[1]} removes it")
-        elif skip is not None and skip.outcome == "trained":
-            verdict = "data"
-            said.append("replacing the failing batch removes it")
-        else:
-            verdict = "not-precision"
-            tried = [e.rung for e in ex.runs if e.rung in ("lr-0.1", "lr-0.01", "skip-batch")
-                     and e.outcome != "not run"]
-            if tried:
-                said.append(", ".join(tried) + " do not either")
+        verdict = _not_precision(ex, said)
     else:
         said.append(f"the float32 experiment {fp32.outcome}: {fp32.detail}")
     ex.verdict = verdict
@@ -326,6 +312,26 @@ def classify(ex: Experiments, trace: Trace) -> None:
         ex.contradiction = (f"the rules called it {kind.replace('_', ' ')}, but float32 "
                             "everywhere removes the failure: a precision failure, the "
                             "experiments win")
+
+
+def _not_precision(ex: Experiments, said: list[str]) -> str:
+    """The verdict when precision is not the cause (float32 fails too, or the run used no
+    low-precision format): the learning-rate rungs, then the batch, tell optimisation and data
+    apart from a failure in any precision."""
+    lr = next((e for e in (_run(ex, "lr-0.1"), _run(ex, "lr-0.01"))
+               if e is not None and e.outcome == "trained"), None)
+    skip = _run(ex, "skip-batch")
+    if lr is not None:
+        said.append(f"a learning rate x{lr.fixes[0].split('=')[1]} removes it")
+        return "optimisation"
+    if skip is not None and skip.outcome == "trained":
+        said.append("replacing the failing batch removes it")
+        return "data"
+    tried = [e.rung for e in ex.runs if e.rung in ("lr-0.1", "lr-0.01", "skip-batch")
+             and e.outcome != "not run"]
+    if tried:
+        said.append(", ".join(tried) + " do not either")
+    return "not-precision"
 
 
 def silent_candidate(trace: Trace) -> bool:

@@ -20,6 +20,8 @@ LR = ("curves_encoder.py", *STEPS, "--lr", "3")
 STALL = ("curves_gpt.py", "--steps", "12", "--weights", "bf16", "--lr", "3e-4")
 SCALER = ("curves_vit.py", "--steps", "30", "--precision", "fp16", "--growth-interval", "2")
 SPIKE = ("curves_encoder.py", "--steps", "26", "--spike-at", "15", "--spike-lr", "10")
+# a post-LN ViT at full lr from the first step: the loss jumps and settles at chance (ln 4)
+POST_LN = ("curves_vit.py", "--steps", "24", "--post-ln", "--depth", "4", "--lr", "0.03")
 
 
 def _diagnose(cli, script, *args):
@@ -31,6 +33,9 @@ def prefetch(cli) -> dict:
             [("attn", ATTN), ("head", HEAD), ("lr", LR), ("stall", STALL), ("scaler", SCALER),
              ("spike", SPIKE)]}
     runs["attn-fixed"] = _diagnose(cli, *ATTN, "--qk-norm")
+    # the one re-run verification here: the warm-up fix through the experiment engine
+    runs["post-ln"] = cli.submit("diagnose", "--quiet", "--verify", "1", "--max-steps", "12",
+                                 SCRIPTS / POST_LN[0], *POST_LN[1:], verify=True)
     runs["attn-probe"] = cli.python(SCRIPTS / "curves_probe.py", *ATTN)
     runs["head-probe"] = cli.python(SCRIPTS / "curves_probe.py", *HEAD)
     return runs
@@ -143,3 +148,28 @@ def test_a_spike_that_recovers_is_at_most_a_warning_with_its_step(runs):
     assert rep["diagnosis"] is None
     (w,) = [w for w in rep["warnings"] if w["rule"] == "loss-spike"]
     assert w["severity"] == "warning" and w["step"] == 16 and w["data"]["recovered"] is not None
+
+
+def test_a_post_ln_transformer_without_warmup_is_named_and_its_warmup_verified(runs):
+    res = runs["post-ln"].result()
+    assert res.code == 1, res.stderr
+    rep = res.report
+    d = rep["diagnosis"]
+    assert (d["rule"], d["kind"], d["module"]) == ("post-ln-warmup", "lr_too_high",
+                                                   "trunk.blocks.0")
+    assert d["data"]["blocks"] == [f"trunk.blocks.{i}" for i in range(4)]
+    # the warm-up length from the script's Adam (torch's default betas): 2 / (1 - 0.999)
+    assert rep["optimizers"][0]["beta2"] == 0.999
+    warm = next(r for r in rep["recommendations"] if r["type"] == "lr_warmup")
+    assert warm["fix"] == ["warmup=2000"] and warm["verified"]
+    ex = rep["experiments"]
+    runs_by = {e["rung"]: e for e in ex["runs"]}
+    # control first, reproducing the failure; the fix verified by every condition it could meet
+    assert ex["runs"][0]["rung"] == "control" and ex["control_reproduced"]
+    assert runs_by["fix"]["fixes"] == ["warmup=2000"] and runs_by["fix"]["outcome"] == "trained"
+    held = warm["tries"][-1]["conditions"]
+    assert held["control_reproduced"] and held["past_horizon"] and held["finite"]
+    # the run is float32: a lower learning rate training makes it an optimisation failure
+    assert ex["verdict"] == "optimisation", ex["verdict_text"]
+    # the warmed-up re-run ends below the control, which stays near chance (ln 4 = 1.39)
+    assert runs_by["fix"]["losses"][-1] < runs_by["control"]["losses"][-1] - 0.2

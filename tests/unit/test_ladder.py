@@ -72,6 +72,10 @@ def test_horizon_is_twice_the_failure_step_or_twenty_past_it():
     ({"fp32": "recurred", "lr_0_1": "trained"}, "optimisation"),
     ({"fp32": "recurred", "lr_0_1": "recurred", "skip_batch": "trained"}, "data"),
     ({"fp32": "moved", "lr_0_1": "diverged", "skip_batch": "recurred"}, "not-precision"),
+    # a float32 run has no fp32 rung: the learning-rate and batch rungs still decide
+    ({"lr_0_1": "trained"}, "optimisation"),
+    ({"lr_0_1": "recurred", "skip_batch": "trained"}, "data"),
+    ({"lr_0_1": "recurred"}, "not-precision"),
 ])
 def test_the_decision_table(outcomes, verdict):
     t = _original()
