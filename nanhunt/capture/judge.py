@@ -157,12 +157,18 @@ class Judge:
     def recs(self, d: _StepData) -> tuple[list[Rec], dict[int, int | None]]:
         recs = []
         parents: dict[int, int | None] = {}
+        # a recomputed output (activation checkpointing) is judged only where the forward's own
+        # output was finite: the forward's values were judged there once already
+        judged = {(m.module, m.tensor) for m, r in zip(d.metas, d.rows)
+                  if m.role == "output" and r[1] + r[2] + r[3] > 0}
         for i, (m, r) in enumerate(zip(d.metas, d.rows)):
             nonfinite = r[1] + r[2] + r[3] > 0
+            allowed = m.allowed or (m.role == "recomputed" and (
+                m.module, m.tensor.removesuffix(" (recomputed)")) in judged)
             recs.append(Rec(
                 index=i, order=m.order, phase=m.phase, role=m.role, nonfinite=nonfinite,
                 one_sided_neginf=bool(r[3] > 0 and r[1] == 0 and r[2] == 0),
-                allowed=m.allowed, producer=m.producer, parent=m.parent,
+                allowed=allowed, producer=m.producer, parent=m.parent,
                 consumers=list(m.consumers), also_producers=list(m.also_producers),
             ))
             if m.producer is not None:
@@ -191,6 +197,12 @@ class Judge:
         detail = (self.probe_detail or "") if problem == "scale_free" else ""
         failure = Failure(step=d.index, phase=phase, module=m.module, tensor=m.tensor,
                           stats=self.recorder.stats(m, r), detail=detail)
+        if m.role == "recomputed":
+            failure.detail = (
+                f"made by the forward that activation checkpointing recomputed in backward; "
+                f"{m.module}'s forward at this step was finite: the module does not give the "
+                "same values twice (state changed between forward and backward, or a "
+                "non-deterministic op)")
         if m.phase == "communication":
             failure.reduction, failure.reduce_dtype = self.reductions.get(m.tensor, ("", None))
             # this rank's own gradient of the same parameter, before the reduction (DDP)

@@ -3,6 +3,8 @@ outputs (and hook the outputs' gradients through the autograd observer)."""
 
 from __future__ import annotations
 
+import math
+import weakref
 from typing import Any
 
 import torch
@@ -34,6 +36,8 @@ class ModuleObserver(Part):
         super().__init__(session)
         self._handles: list[Any] = []
         self.compiled: set[str] = set()  # compiled modules that ran (seen at their boundary)
+        # step -> modules whose forward activation checkpointing recomputed in its backward
+        self.recomputed: dict[int, set[str]] = {}
 
     def install(self, stack: Any) -> None:
         self.set_hooks(True)
@@ -59,8 +63,14 @@ class ModuleObserver(Part):
     def _on_pre(self, module: nn.Module, args: tuple) -> None:
         if not self.s._active or _skip() or self.s._foreign_thread():
             return
-        if _in_backward():
-            return  # activation-checkpoint recompute
+        if _in_backward():  # activation-checkpoint recompute: not a call
+            if self.s._full:
+                name = self.s.naming.names.get(module)
+                if name is not None:
+                    self.recomputed.setdefault(self.s._step, set()).add(name)
+                    for old in [k for k in self.recomputed if k < self.s._step - 1]:
+                        del self.recomputed[old]
+            return
         if not self.cur.frames:
             self.s._end_step_if_over()
             if module.training and torch.is_grad_enabled():
@@ -87,7 +97,10 @@ class ModuleObserver(Part):
     @_safe
     def _on_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         s = self.s
-        if not s._active or not s._full or _in_backward() or _skip() or s._foreign_thread():
+        if not s._active or not s._full or _skip() or s._foreign_thread():
+            return
+        if _in_backward():
+            self._recomputed(module, output)
             return
         cur, rec = s.cur, s.recorder  # (the step cannot end before the last line)
         frame = self._pop_frame(module)
@@ -174,6 +187,33 @@ class ModuleObserver(Part):
             # inference only: each call of the model is a step (with an optimizer built, a
             # no-grad call is evaluation between training steps, as a framework's sanity check)
             s._end_step()
+
+    @torch.no_grad()
+    def _recomputed(self, module: nn.Module, output: Any) -> None:
+        """A forward that activation checkpointing runs again inside backward. Its call was
+        counted and its ranges recorded in the forward, so the recomputation is neither: one
+        cheap finiteness row per output (a flag for NaN, one for inf, the largest finite |x|),
+        phase ``backward``, so that a value only the recomputation makes non-finite (a forward
+        that does not give the same values twice) is attributed to its module. The judge
+        ignores it where the forward's own output was non-finite already."""
+        name = self.s.naming.names.get(module)
+        if name is None:
+            return
+        for path, t in _leaves(output, "output"):
+            if not _stats.summarizable(t) or t.numel() == 0:
+                continue
+            a = _stats.local(t).detach().abs().amax().double()
+            row = torch.zeros(_stats.ROW_LEN, dtype=torch.float64, device=a.device)
+            row[1] = torch.isnan(a).double()
+            row[2] = torch.isinf(a).double()
+            row[5] = torch.where(torch.isfinite(a), a, 0.0)
+            row[6] = math.inf
+            self.rec.pending_rows.append(row)
+            self.rec.metas.append(_Meta(
+                step=self.s._step, order=self.cur.next_order(), phase="backward", module=name,
+                tensor=f"{path} (recomputed)", role="recomputed",
+                dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape), owner=name,
+                approx=weakref.ref(t)))
 
     def _alias_through(self, args: tuple, output: Any) -> bool:
         """Dropout only masks and rescales by 1/(1-p): its output's values add nothing to its

@@ -585,6 +585,16 @@ class Hunt(Session):
 
     def _on_failure(self, d: _StepData, origin_step: _StepData) -> None:
         """Keep the culprit while its inputs are unchanged, and trace every step from now."""
+        f = self.judge.first_failure
+        if f is not None and f.phase == "backward" and not f.tensor.endswith(" (recomputed)") \
+                and f.module in self.modules.recomputed.get(f.step, ()):
+            # torch's non-reentrant checkpoint stops the recomputation once it has what backward
+            # needs, before the module returns: its recomputed output is not observed
+            f.detail = ((f.detail + "; ") if f.detail else "") + (
+                f"{f.module}'s forward was recomputed by activation checkpointing in this "
+                "backward, and this backward read the recomputed values (not observed: the "
+                "recomputation stops before the module returns); a forward that does not give "
+                "the same values twice makes this too")
         self.snapshots.take(d, origin_step)
         self._stop_pending = True
         self._full = True

@@ -15,6 +15,7 @@ MODES = {"non-reentrant": (), "reentrant": ("--reentrant",)}
 def prefetch(cli) -> None:
     for extra in MODES.values():
         cli.submit("diagnose", "--quiet", SCRIPT, *extra, "--plant")
+        cli.submit("diagnose", "--quiet", SCRIPT, *extra, "--plant-recompute")
     cli.submit("diagnose", "--quiet", SCRIPT)
     cli.python(SCRIPT)
 
@@ -44,3 +45,27 @@ def test_checkpointing_runs_as_under_python(cli):
     assert run.report["first_failure"] is None
     calls = {layer["module"]: layer["calls"] for layer in run.report["layers"]}
     assert calls["block.1"] == calls["head"] == 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_only_the_recomputation_makes_is_attributed_to_its_module(cli, mode):
+    """The loop changes the block's Log after the forward of step 2: the forward was finite,
+    the recomputation in backward takes sqrt of a negative number, and the gradients go NaN.
+    Reentrant checkpointing returns from the module, so its recomputed output is observed;
+    torch's non-reentrant one stops before the module returns, so the module's own backward
+    is named, with the recomputation said."""
+    run = cli.get("diagnose", "--quiet", SCRIPT, *MODES[mode], "--plant-recompute")
+    assert run.code == 1, run.stderr
+    report = run.report
+    ff = report["first_failure"]
+    assert (ff["step"], ff["phase"], ff["module"]) == (2, "backward", "block.2")
+    if mode == "reentrant":
+        assert ff["tensor"] == "output (recomputed)"
+        assert ff["stats"]["nan"] > 0
+        assert report["diagnosis"]["rule"] == "recompute-diverged"
+        assert "forward at this step was finite" in ff["detail"]
+    else:
+        assert ff["tensor"] == "grad_input[0]"
+        assert "recomputed by activation checkpointing in this backward" in ff["detail"]
+    calls = {layer["module"]: layer["calls"] for layer in report["layers"]}
+    assert calls["block.2"] == calls["stem"] == len(report["steps"]) == 3, calls

@@ -1,11 +1,13 @@
 """Activation checkpointing (torch.utils.checkpoint) around a block, CPU, float32.
 
-    python checkpointed_block.py [--reentrant] [--plant]
+    python checkpointed_block.py [--reentrant] [--plant | --plant-recompute]
 
 The model is stem -> block (checkpointed: Linear, Tanh, Log) -> head; the block's forward runs
 twice per step (once in forward, once recomputed in backward). With --plant, the block's ``Log``
-takes the log of a negative number at step 2 (NaN), inside the checkpointed block. Prints
-``step S loss X``.
+takes the log (through a square root) of a negative number at step 2 (NaN), inside the
+checkpointed block. With --plant-recompute, the loop changes that shift after the forward of
+step 2 and before its backward: only the recomputation takes the square root of a negative
+number. Prints ``step S loss X``.
 """
 
 import argparse
@@ -21,7 +23,9 @@ class Log(nn.Module):
         self.shift = 0.0
 
     def forward(self, x):
-        return torch.log(x.abs() + 1.0 - self.shift)
+        # log(u) as 2 log(sqrt(u)): sqrt's backward reads its output, so a NaN that only the
+        # recomputation makes reaches the gradients
+        return 2.0 * torch.log(torch.sqrt(x.abs() + 1.0 - self.shift))
 
 
 class Net(nn.Module):
@@ -43,6 +47,7 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--reentrant", action="store_true")
     parser.add_argument("--plant", action="store_true")
+    parser.add_argument("--plant-recompute", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = Net(args.reentrant)
@@ -52,6 +57,8 @@ def main():
         y = torch.randn(8, 2)
         model.block[2].shift = 3.0 if args.plant and step == 2 else 0.0  # |tanh| + 1 - 3 < 0
         loss = (model(x) - y).pow(2).mean()
+        if args.plant_recompute and step == 2:
+            model.block[2].shift = 3.0  # seen by the recomputation in backward only
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -34,6 +34,7 @@ PRECEDENCE = (
     "scaler-misuse",
     "bad-input",
     "reduction-overflow",  # the reduction across ranks made it: before what it feeds
+    "recompute-diverged",  # checkpointing's recomputation, not the forward, made it
     "optimizer-eps",
     "optimizer-update",
     "update-jump",  # weights the step before replaced: what any forward made of them follows
@@ -77,6 +78,7 @@ SUPERSEDES: dict[str, tuple[str, ...]] = {
     "update-jump": ("forward-overflow", "forward-nan-op", "backward-overflow", "backward-nan-op",
                     "loss-nan-op", "weight-growth", "exploding-gradient", "norm-underflow",
                     "input-range"),
+    "recompute-diverged": ("backward-nan-op", "backward-overflow", "scale-collapse"),
 }
 
 #: Score of the primary diagnosis; errors that lose to it are kept as warnings with this score.

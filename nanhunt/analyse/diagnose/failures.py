@@ -536,3 +536,27 @@ def reduction_overflow(trace: Trace, ctx: Context) -> Iterator[Finding]:
                         "cast)")
     yield _finding("error", message, evidence, phase="communication", step=f.step,
                    module=f.module or None, tensor=f.tensor, data=data)
+
+
+@rule(id="recompute-diverged", kind="nan_op", needs=("first_failure",))
+def recompute_diverged(trace: Trace, ctx: Context) -> Iterator[Finding]:
+    """Activation checkpointing recomputed a module's forward in backward and got non-finite
+    values where the forward itself was finite: the module's forward is not repeatable."""
+    f = ctx.failure
+    if f is None or f.phase != "backward" or not f.tensor.endswith(" (recomputed)"):
+        return
+    s = f.stats
+    kind = "nan_op" if s.nan else "overflow"
+    yield _finding(
+        "error",
+        f"the forward of {f.module} that activation checkpointing recomputed in backward at "
+        f"step {f.step} went non-finite ({_counts(s)}), though the forward it repeats was "
+        "finite: the gradients of everything before it are computed from values the forward "
+        "never had",
+        [f"{f.module}'s output in the forward at step {f.step}: finite (judged there)",
+         f"its recomputation in backward: {_counts(s)}",
+         "what differs between the two runs of the forward: state the module reads that "
+         "changed after the forward (an attribute, a buffer edited in place), a random op "
+         "outside checkpoint's RNG handling, or a non-deterministic kernel"],
+        kind=kind, phase="backward", step=f.step, module=f.module or None, tensor=f.tensor,
+        data={"recomputed": True})
