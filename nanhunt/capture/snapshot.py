@@ -17,6 +17,7 @@ from nanhunt.capture._util import (
     map_tensors,
 )
 from nanhunt.capture.state import Part, Snapshot, _Call, _StepData
+from nanhunt.contract import Copies, isolated, nbytes
 
 
 class Snapshots(Part):
@@ -118,14 +119,12 @@ class Snapshots(Part):
         if not any(g is not None for g in grads) or any(
                 g is not None and not bool(torch.isfinite(g).all()) for g in grads):
             return None  # it received a non-finite gradient: not its own doing
-        devices = sorted({t.device.index for _, t in _leaves(call.args, "")
-                          if t.device.type == "cuda" and t.device.index is not None})
         was_active, self.s._active = self.s._active, False
-        try:
-            with torch.random.fork_rng(devices=devices):
+        try:  # under the replay contract: every generator and mode put back, copies declared
+            with isolated(neutral=False):
                 finite = self._replay_backward(call, [None if g is None else g / scale
                                                       for g in grads])
-        except Exception:  # the call cannot be replayed alone: no evidence either way
+        except Exception:  # the call cannot be replayed alone (or its copy is refused)
             return None
         finally:
             self.s._active = was_active
@@ -138,8 +137,10 @@ class Snapshots(Part):
     @staticmethod
     def _replay_backward(call: _Call, grad_outputs: list) -> bool | None:
         # (not nanhunt.replay.module.replay: the replay builds on capture, and this runs
-        # inside the session, on the live call, needing only whether the result is finite)
-        module = copy.deepcopy(call.module)
+        # inside the session, on the live call, needing only whether the result is finite; it
+        # keeps the same contract, nanhunt.contract, on copies declared against its cap)
+        copies = Copies()
+        module = copies.module(call.module, f"{call.name} (GradScaler's unscaled probe)")
         for p in module.parameters():
             p.grad = None
 
@@ -147,6 +148,7 @@ class Snapshots(Part):
             t = t.detach().clone()
             return t.requires_grad_(t.is_floating_point())
 
+        copies.declare("its inputs", nbytes(call.args, call.kwargs))
         args = map_tensors(call.args, leaf)
         kwargs = _clone_tree(call.kwargs or {})
         enabled, dtype = call.autocast

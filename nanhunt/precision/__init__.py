@@ -105,9 +105,9 @@ def audit(
     """
     import torch
 
+    from nanhunt.contract import isolated
     from nanhunt.precision._session import AuditSession
     from nanhunt.precision._state import module_state_kept
-    from nanhunt.replay.contract import isolated
 
     if steps < 1:
         raise NanhuntError("steps must be at least 1")

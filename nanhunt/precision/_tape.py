@@ -20,14 +20,14 @@ import torch
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
-from nanhunt.precision._state import rebind
-from nanhunt.replay.contract import (  # the one replay contract's generators
+from nanhunt.contract import (  # the one replay contract's generators
     cuda_devices,
     isolated,
     rng_kept,
     rng_state,
     set_rng_state,
 )
+from nanhunt.precision._state import rebind
 
 __all__ = ["Entry", "Tape", "autocast_pinned", "cast_floating", "cuda_devices", "rng_kept",
            "rng_state", "set_rng_state"]

@@ -11,7 +11,7 @@ copies of the captured inputs, under a session of its own, with the captured aut
 * the replay stays finite: only the compiled code made the non-finite values (a fused kernel, a
   precision cast the compiler dropped or moved). The report says so, with what to try next.
 
-The replay follows the replay contract (:mod:`nanhunt.replay.contract`): copies, declared and
+The replay follows the replay contract (:mod:`nanhunt.contract`): copies, declared and
 capped, and the ambient state put back.
 """
 
@@ -53,7 +53,7 @@ def look_inside(trace: Trace, snap: Any) -> Any:
     if inner is None or ff is None or snap.phase != "forward":
         return None
     from nanhunt.capture import Hunt
-    from nanhunt.replay.contract import Copies, isolated
+    from nanhunt.contract import Copies, isolated
 
     copies = Copies()
     module = copies.module(inner, f"compiled module {ff.module}")

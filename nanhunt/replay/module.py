@@ -1,6 +1,6 @@
 """Module replay: the culprit module run again on its captured inputs, on a copy and under the
-replay contract (:mod:`.contract`), with the op recorder (:mod:`.ops`); :func:`zoom_into` names
-the failure's op and source line from it."""
+replay contract (:mod:`nanhunt.contract`), with the op recorder (:mod:`.ops`); :func:`zoom_into`
+names the failure's op and source line from it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from nanhunt.capture._util import map_tensors, tensor_leaves
 from nanhunt.capture.state import Snapshot
-from nanhunt.replay.contract import Copies, CopyRefused, isolated
+from nanhunt.contract import Copies, CopyRefused, isolated
 from nanhunt.replay.ops import OpRecorder, ReplayResult
 from nanhunt.trace import InputRange, Trace
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from nanhunt.capture.state import OptimizerSnapshot
-from nanhunt.replay.contract import Copies, CopyRefused, isolated
+from nanhunt.contract import Copies, CopyRefused, isolated
 from nanhunt.replay.ops import OptimizerOpRecorder, ReplayResult
 from nanhunt.trace import Trace
 

@@ -4,8 +4,8 @@ optimizer step on a copy of the optimizer (and of the GradScaler).
 
 :class:`TripAnalyst` is the sentinel's analysis: inside the user's hook it only copies what the
 step's optimizer update is about to overwrite (:meth:`TripAnalyst.hold`); after the user's step
-has returned it replays the step under the replay contract (:mod:`.contract`), checks that the
-replay reproduces the failure, and adopts its diagnosis or switches the sentinel to full
+has returned it replays the step under the replay contract (:mod:`nanhunt.contract`), checks
+that the replay reproduces the failure, and adopts its diagnosis or switches the sentinel to full
 tracing (:meth:`TripAnalyst.analyse`).
 """
 
@@ -23,7 +23,7 @@ from nanhunt.capture import session as _session
 from nanhunt.capture._util import _call_leaves, _leaves, _version, map_tensors
 from nanhunt.capture.keep import StepKeep
 from nanhunt.capture.session import Hunt
-from nanhunt.replay.contract import Copies, CopyRefused, isolated
+from nanhunt.contract import Copies, CopyRefused, isolated
 
 __all__ = ["Held", "Replay", "TripAnalyst", "replay_step"]
 

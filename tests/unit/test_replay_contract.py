@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
+from nanhunt import contract
 from nanhunt.capture.state import OptimizerSnapshot, Snapshot
-from nanhunt.replay import contract
 from nanhunt.replay.module import replay
 from nanhunt.replay.optimizer import replay_optimizer
 
