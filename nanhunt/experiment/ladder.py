@@ -64,16 +64,26 @@ def horizon(step: int | None, trace: Trace, max_steps: int | None) -> int:
     return min(n, max_steps) if max_steps else n
 
 
+#: DDP communication hooks that all-reduce the gradients in a 16-bit format
+_COMPRESSION_HOOKS = {"fp16_compress_hook": "float16", "bf16_compress_hook": "bfloat16"}
+
+
+def _compressions(trace: Trace) -> set[str]:
+    return {_COMPRESSION_HOOKS[h] for h in trace.run.comm_hooks if h in _COMPRESSION_HOOKS}
+
+
 def uses_low_precision(trace: Trace) -> bool:
     run = trace.run
     return bool(run.autocast or run.scaler or
                 any(d in ("float16", "bfloat16") for d in run.dtypes) or
-                (run.target in ("float16", "bfloat16") and run.target_source != "default"))
+                (run.target in ("float16", "bfloat16") and run.target_source != "default")
+                or _compressions(trace))
 
 
 def _float16(trace: Trace) -> bool:
     return "float16" in trace.run.dtypes or (trace.run.autocast and
-                                             trace.run.target == "float16")
+                                             trace.run.target == "float16") \
+        or "float16" in _compressions(trace)
 
 
 def first_rungs(trace: Trace) -> list[Rung]:

@@ -5,11 +5,13 @@ that a re-run with it says what kind of failure this is (DESIGN.md §9, docs/rul
 
 ``fp32-all``
     float32 everywhere: ``torch.autocast`` is entered disabled, ``.half()``, ``.bfloat16()`` and
-    ``.to(float16|bfloat16)`` called by the script on a module or tensor are no-ops, and
-    GradScaler is made with ``enabled=False`` (it then scales nothing and skips nothing).
+    ``.to(float16|bfloat16)`` called by the script on a module or tensor are no-ops,
+    GradScaler is made with ``enabled=False`` (it then scales nothing and skips nothing), and a
+    16-bit DDP compression hook is not registered.
 ``bf16``
     bfloat16 instead of float16: autocast's float16 becomes bfloat16, the script's ``.half()``
-    and ``.to(float16)`` give bfloat16; GradScaler is left as it is.
+    and ``.to(float16)`` give bfloat16, ``fp16_compress_hook`` becomes ``bf16_compress_hook``;
+    GradScaler is left as it is.
 ``no-scaler``
     GradScaler made with ``enabled=False``.
 ``skip-batch=N``
@@ -143,6 +145,43 @@ def _precision(p: _Patches, spec: str, new: torch.dtype | None) -> None:
         p.patch(owner, "to", lambda o, k=kind: wrap_to(o, k))
 
 
+#: DDP communication hooks that reduce the gradients in a 16-bit format
+_COMPRESSION_HOOKS = ("fp16_compress_hook", "bf16_compress_hook")
+
+
+def _compression(p: _Patches, spec: str, new: torch.dtype | None) -> None:
+    """DDP's gradient compression follows the precision: ``None`` (float32 everywhere) registers
+    no 16-bit compression hook, DDP all-reduces in the gradients' dtype; bfloat16 registers
+    ``bf16_compress_hook`` for ``fp16_compress_hook`` (where DDP refuses it, without CUDA and
+    NCCL or XPU, the re-run stops with that one line)."""
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel as DDP
+    except Exception:  # a torch without distributed
+        return
+
+    def wrap(original: Any) -> Any:
+        def register_comm_hook(ddp: Any, state: Any, hook: Any) -> Any:
+            name = getattr(hook, "__name__", "")
+            if new is None and name in _COMPRESSION_HOOKS:
+                p.applied[spec].add(name)
+                return None
+            if new is torch.bfloat16 and hook is default_hooks.fp16_compress_hook:
+                p.applied[spec].add(name)
+                try:
+                    return original(ddp, state, default_hooks.bf16_compress_hook)
+                except TypeError as exc:
+                    from nanhunt.experiment.fixes import FixMismatch
+
+                    raise FixMismatch(f"--fix {spec}: DDP refuses bf16_compress_hook for "
+                                      f"fp16_compress_hook: {exc}") from None
+            return original(ddp, state, hook)
+
+        return register_comm_hook
+
+    p.patch(DDP, "register_comm_hook", wrap)
+
+
 def _no_scaler(p: _Patches, spec: str) -> None:
     cls = torch.amp.GradScaler
     sig = inspect.signature(cls.__init__)
@@ -206,8 +245,10 @@ def install(specs: list[FixSpec], stack: contextlib.ExitStack,
         if spec.kind == "fp32-all":
             _precision(p, str(spec), None)
             _no_scaler(p, str(spec))
+            _compression(p, str(spec), None)
         elif spec.kind == "bf16":
             _precision(p, str(spec), torch.bfloat16)
+            _compression(p, str(spec), torch.bfloat16)
         elif spec.kind == "no-scaler":
             _no_scaler(p, str(spec))
         elif spec.kind == "skip-batch":

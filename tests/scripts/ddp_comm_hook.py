@@ -1,9 +1,12 @@
 """DDP with fp16_compress_hook (gloo, CPU, 2 ranks under torchrun): at step 2 the gradients are
 finite in float32 on each rank but exceed float16's max, so the compressed all-reduce makes
 them inf. --hook none is the fix (and the healthy twin); --hook bf16 is the other fix where DDP
-accepts bf16_compress_hook (CUDA 11+ with NCCL 2.10+, or XPU). Prints ``rank R step S loss X``."""
+accepts bf16_compress_hook (CUDA 11+ with NCCL 2.10+, or XPU). Prints ``rank R step S loss X``.
+Under plain ``python`` (no torchrun) it trains as one rank: the compression still casts."""
 
 import argparse
+import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -17,7 +20,11 @@ def main():
     parser.add_argument("--hook", choices=["fp16", "bf16", "none"], default="fp16")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    if "RANK" not in os.environ:  # python ddp_comm_hook.py: a one-process group
+        init = f"file://{tempfile.mkdtemp()}/store"
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    else:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
         torch.manual_seed(0)

@@ -313,3 +313,31 @@ def test_sharded_statistics_cross_ranks_in_one_gather_per_step(monkeypatch):
     layer0 = next(layer for layer in trace.layers if layer.module == "0")
     assert layer0.param_grad_amax_by_step[2] == amax0
     assert not any("reduction across ranks failed" in n for n in trace.notes)
+
+
+def test_the_ladder_reads_a_compression_hook_as_low_precision():
+    """float32 everywhere, then bfloat16, for a float32 model whose gradients DDP compresses to
+    float16 (no rung would otherwise change a precision)."""
+    from nanhunt.experiment import ladder
+    from nanhunt.trace import Experiment, Experiments, RunInfo, Trace
+
+    trace = Trace(run=RunInfo(dtypes=["float32"], target_source="default",
+                              comm_hooks=["fp16_compress_hook"]))
+    assert [r.name for r in ladder.first_rungs(trace)] == ["control", "fp32"]
+    ex = Experiments(runs=[Experiment(rung="fp32", fixes=["fp32-all"], outcome="trained")])
+    assert [r.name for r in ladder.next_rungs(trace, ex)] == ["bf16"]
+    trace.run.comm_hooks = []
+    assert [r.name for r in ladder.first_rungs(trace)] == ["control"]
+
+
+def test_the_precision_rungs_change_the_compression_too():
+    """fp32-all registers no 16-bit compression hook (the fp32 rung then reduces as --fix
+    comm-hook:none does, bit for bit); bf16 swaps fp16 for bf16 compression, one clear line
+    where DDP refuses it."""
+    fp32_losses, fp32_weights, _, message = _train("fp16", fixes=["fp32-all"])
+    none_losses, none_weights, _, _ = _train("none")
+    assert message is None and fp32_losses == none_losses
+    assert all(torch.equal(a, b) for a, b in zip(fp32_weights, none_weights))
+    if torch.version.cuda is None:
+        with pytest.raises(FixMismatch, match=r"^--fix bf16: DDP refuses bf16_compress_hook"):
+            _train("fp16", steps=1, fixes=["bf16"])
