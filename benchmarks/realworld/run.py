@@ -162,6 +162,8 @@ class Entry:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     outputs: list[str] = dataclasses.field(default_factory=list)  # globs, relative to cwd
     volatile: list[str] = dataclasses.field(default_factory=list)  # regexes masked in output
+    # lines left out before comparing: progress bars, whose number of redraws follows the speed
+    drop: list[str] = dataclasses.field(default_factory=list)
     target: str = "float16"  # the target nanhunt must pick
     fix: str = "lr-factor=0.001"  # the --fix tried on the failure
     fix_exit: int | None = None  # its expected exit code when the fix cannot act (2)
@@ -312,8 +314,8 @@ ENTRIES: list[Entry] = [
                  "out/tokenizer*.json", "out/training_args.bin", "out/README.md"],
         volatile=[r"\d\d/\d\d/\d{4} \d\d:\d\d:\d\d", r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+",
                   r"default-[0-9a-f]{16}", r"cache-[0-9a-f]{16}",
-                  r"(?m)^.*(examples/s|it/s|s/it)\]?.*$",
                   r"(runtime|per_second)('?:? *=? *'?)[\d:.]+"],
+        drop=[r"(examples/s|it/s|s/it)\]", r"^\s*$"],
         target="bfloat16",
         style="Hugging Face Trainer (transformers 5): HfArgumentParser flags, datasets' text "
               "loader and map cache, GPT-2 from a config, accelerate's bf16 autocast on CPU "
@@ -417,7 +419,8 @@ def _normalise(text: str, entry: Entry, work: Path) -> list[str]:
     text = text.replace(str(work), "<work>")
     for pattern in entry.volatile:
         text = re.sub(pattern, "<v>", text)
-    return text.splitlines()
+    return [ln for ln in text.splitlines()
+            if not any(re.search(pattern, ln) for pattern in entry.drop)]
 
 
 def _own(lines: list[str]) -> list[str]:
