@@ -48,6 +48,7 @@ __all__ = [
     "TensorStats",
     "Trace",
     "Verification",
+    "host_platform",
 ]
 
 SCHEMA_VERSION = 2
@@ -763,3 +764,13 @@ def _decode(tp: Any, value: Any) -> Any:
 
 def _decode_key(tp: Any, key: str) -> Any:
     return int(key) if tp is int else key
+
+
+def host_platform() -> str:
+    """``RunInfo.platform``: the operating system, its release and the machine
+    (``Linux-6.5.0-x86_64``). Not ``platform.platform()``: it runs ``uname -p`` in a subprocess,
+    whose ``warnings.catch_warnings()`` resets the record of warnings already shown, so a
+    script's own warnings would print a second time (a callback records its run mid-script)."""
+    import platform
+
+    return "-".join(x for x in (platform.system(), platform.release(), platform.machine()) if x)

@@ -102,11 +102,11 @@ def _audit(opts: argparse.Namespace, targets: list[str] | None, target: Any, arg
     from nanhunt.cli.runner import print_user_traceback, run_target
     from nanhunt.precision import build_trace
     from nanhunt.precision._session import AuditSession
-    from nanhunt.trace import RunInfo
+    from nanhunt.trace import RunInfo, host_platform
 
     run = RunInfo(command=["nanhunt", "audit", *argv], script=target.argv0,
                   python=platform.python_version(), torch=torch.__version__,
-                  nanhunt=__version__, platform=platform.platform(),
+                  nanhunt=__version__, platform=host_platform(),
                   started=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                   status="running")
     session = AuditSession(targets, steps=opts.steps, warmup=opts.warmup)

@@ -80,7 +80,7 @@ class _CtrlC:
 
 
 def _run_info(argv: Sequence[str], script: str, torch_version: str) -> Any:
-    from nanhunt.trace import RunInfo
+    from nanhunt.trace import RunInfo, host_platform
 
     return RunInfo(
         command=["nanhunt", "diagnose", *argv],
@@ -88,7 +88,7 @@ def _run_info(argv: Sequence[str], script: str, torch_version: str) -> Any:
         python=platform.python_version(),
         torch=torch_version,
         nanhunt=__version__,
-        platform=platform.platform(),
+        platform=host_platform(),
         started=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         status="running",
     )

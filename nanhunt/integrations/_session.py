@@ -371,7 +371,7 @@ def _now() -> str:
 
 def _run_info(torch_version: str, framework: str) -> Any:
     from nanhunt._version import __version__
-    from nanhunt.trace import RunInfo
+    from nanhunt.trace import RunInfo, host_platform
 
     return RunInfo(
         command=list(sys.argv),
@@ -379,7 +379,7 @@ def _run_info(torch_version: str, framework: str) -> Any:
         python=platform.python_version(),
         torch=torch_version,
         nanhunt=__version__,
-        platform=platform.platform(),
+        platform=host_platform(),
         started=_now(),
         status="running",
         framework=framework,

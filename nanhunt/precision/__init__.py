@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanhunt._version import __version__
 from nanhunt.errors import NanhuntError
-from nanhunt.trace import RunInfo, Trace
+from nanhunt.trace import RunInfo, Trace, host_platform
 
 if TYPE_CHECKING:
     import torch
@@ -113,7 +113,7 @@ def audit(
         raise NanhuntError("steps must be at least 1")
     run = RunInfo(command=["nanhunt.audit"], script=type(model).__name__,
                   python=platform.python_version(), torch=torch.__version__,
-                  nanhunt=__version__, platform=platform.platform(),
+                  nanhunt=__version__, platform=host_platform(),
                   started=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     p = next(model.parameters(), None)
     run.device = str(p.device) if p is not None else "cpu"

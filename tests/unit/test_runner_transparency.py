@@ -57,3 +57,25 @@ def test_the_script_sees_and_prints_what_python_gives_it(tmp_path: Path, path: s
     assert f"file {tmp_path}/{path}\n" in plain.stdout  # absolute, not normalised
     assert ours.stdout == plain.stdout
     assert ours.stderr == plain.stderr
+
+
+@pytest.mark.parametrize("record", ["nanhunt.trace.host_platform()", "platform.platform()"])
+def test_recording_the_platform_shows_no_warning_a_second_time(record):
+    """A callback records its run mid-script (Lightning's on_train_start). platform.platform()
+    runs `uname -p` through subprocess, whose warnings.catch_warnings() resets the record of
+    warnings already shown: Lightning's deprecation warning then printed twice. The reference
+    is Python itself: the same warning, warned twice from one place, shows once."""
+    code = textwrap.dedent(f"""
+        import platform, warnings
+        import nanhunt.trace
+        def warn():
+            warnings.warn("shown once")
+        warn()
+        {record}
+        warn()
+    """)
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(root)})
+    shown = proc.stderr.count("UserWarning: shown once")
+    assert shown == (1 if record.startswith("nanhunt") else 2), proc.stderr
