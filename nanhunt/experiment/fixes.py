@@ -50,6 +50,7 @@ from nanhunt.capture.naming import Naming
 from nanhunt.errors import NanhuntError
 from nanhunt.experiment import rungs
 from nanhunt.experiment.curve_fixes import SoftCap, Warmup, ZLoss
+from nanhunt.experiment.rungs import FixMismatch
 from nanhunt.fixspec import FixSpec, number
 
 __all__ = ["FixMismatch", "Fixes", "RunFixes", "install"]
@@ -66,17 +67,6 @@ _FLOORED = {
     "__truediv__": ("div", 1), "__div__": ("div", 1), "__rtruediv__": ("div", 0),
     "__rdiv__": ("div", 0), "pow": ("pow", 0), "__pow__": ("pow", 0), "float_power": ("pow", 0),
 }
-
-
-class FixMismatch(BaseException):
-    """A fix that cannot apply to this script (its pattern names no module, no GradScaler...).
-
-    A BaseException so that the script's own ``except Exception`` does not swallow it.
-    """
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 @dataclass

@@ -40,7 +40,7 @@ from nanhunt import capture
 from nanhunt._patching import patch
 from nanhunt.fixspec import FixSpec
 
-__all__ = ["GLOBAL_KINDS", "install"]
+__all__ = ["GLOBAL_KINDS", "FixMismatch", "install"]
 
 #: the kinds this module installs
 GLOBAL_KINDS = ("fp32-all", "bf16", "no-scaler", "skip-batch")
@@ -53,6 +53,17 @@ def _by_user(depth: int = 2) -> bool:
     """Whether the caller's caller is the script (or any code outside torch)."""
     frame = sys._getframe(depth)
     return frame is None or not frame.f_code.co_filename.startswith(_TORCH_DIR)
+
+
+class FixMismatch(BaseException):
+    """A fix that cannot apply to this script (its pattern names no module, no GradScaler...).
+
+    A BaseException so that the script's own ``except Exception`` does not swallow it.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 class _Patches:
@@ -171,8 +182,6 @@ def _compression(p: _Patches, spec: str, new: torch.dtype | None) -> None:
                 try:
                     return original(ddp, state, default_hooks.bf16_compress_hook)
                 except TypeError as exc:
-                    from nanhunt.experiment.fixes import FixMismatch
-
                     raise FixMismatch(f"--fix {spec}: DDP refuses bf16_compress_hook for "
                                       f"fp16_compress_hook: {exc}") from None
             return original(ddp, state, hook)
