@@ -340,7 +340,9 @@ class Experiment:
     """One re-run of the experiment ladder: the script run again with one change (or none, the
     control), to a horizon, and what it showed (DESIGN.md §9; docs/report-schema.md)."""
 
-    rung: str  # control | fp32 | bf16 | no-scaler | lr-0.1 | lr-0.01 | skip-batch | fix
+    # control | fp32 | bf16 | no-scaler | init-scale | lr-0.1 | lr-0.01 | clip | skip-batch |
+    # region (one step of the float32 bisection) | fix
+    rung: str
     fixes: list[str] = field(default_factory=list)  # the --fix specs installed ([]: control)
     purpose: str = ""  # the question it answers, in words
     # recurred (a failure at the original's step) | moved (a first failure at another step) |
@@ -376,6 +378,10 @@ class Experiments:
     verdict_text: str = ""  # the verdict with the experiments that prove it
     source: str = ""  # experiments | rules (experiments could not run: see note)
     contradiction: str = ""  # a rule's cause the experiments contradict, and why it lost
+    # the region bisection (float32 over the module tree, where float32 everywhere trained):
+    # the --fix spec of the smallest region that removes the failure ("fp32:decoder.2"), or ""
+    region: str = ""
+    region_text: str = ""  # what the bisection found when it found no region, or why it stopped
     runs: list[Experiment] = field(default_factory=list)
     not_run: list[str] = field(default_factory=list)  # rungs the budget or Ctrl-C left out
     jobs: int = 1

@@ -19,7 +19,7 @@ from nanhunt.fixspec import FixSpec, SnippetContext, number, parse_fix, snippet
 from nanhunt.formats import get_format
 from nanhunt.trace import Recommendation, Trace
 
-__all__ = ["attach_fixes", "ladder", "verify_order"]
+__all__ = ["attach_fixes", "cure_rank", "ladder", "verify_order"]
 
 #: fixes that act through a torch optimizer
 _OPTIMIZER_KINDS = ("opt-eps", "lr-factor", "clip", "fp32-master", "warmup")
@@ -202,14 +202,17 @@ def attach_fixes(trace: Trace) -> None:
                 rec.snippet = _rename_optimizer(rec.snippet, name)
 
 
+def cure_rank(rec: Recommendation) -> int:
+    """How likely a recommendation's kind is to cure rather than bound the symptom (lower
+    first): a floor or an eps removes the invalid op, float32 keeps the values, a clamp last."""
+    kind = "clamp_op" if rec.type == "clamp" and rec.data.get("where") != "output" \
+        else rec.type
+    return _PRIORITY.get(kind, 9)
+
+
 def verify_order(recs: list[Recommendation]) -> list[Recommendation]:
     """Installable recommendations, the most likely to cure first (stable otherwise)."""
-    def key(rec: Recommendation) -> int:
-        kind = "clamp_op" if rec.type == "clamp" and rec.data.get("where") != "output" \
-            else rec.type
-        return _PRIORITY.get(kind, 9)
-
-    return sorted((r for r in recs if r.fix), key=key)
+    return sorted((r for r in recs if r.fix), key=cure_rank)
 
 
 # ----------------------------------------------------------------------------- the ladder

@@ -10,12 +10,17 @@ plan them, :func:`outcome` reads one re-run's report against the original run, a
 * float32 everywhere trains: a precision failure; bfloat16 training too makes it a range
   failure (float16's exponent range), bfloat16 failing a resolution one; GradScaler disabled
   training (with a scaler in the loop) makes it loss scaling;
-* float32 everywhere fails the same way: not precision-specific; the learning-rate rungs
+* float32 everywhere fails the same way (or the run used no low-precision format): not
+  precision-specific; the learning-rate rungs or clipping at the measured gradient norm
   training make it optimisation, replacing the failing batch data; else code that fails in any
   precision.
 
-The rules then name the op, the mechanism and the fix inside the verdict; a rule whose kind the
-experiments contradict loses, and :func:`classify` says why.
+Where float32 everywhere trains, :mod:`nanhunt.experiment.region` bisects float32 over the
+module tree to the smallest region that removes the failure, and GradScaler's init_scale is
+tried at the value the gradients' exponents call for (:func:`measured_init_scale`).
+
+The rules then name the op, the mechanism and the fix inside the verdict; a rule whose cause
+the experiments contradict loses (:func:`contradiction`), and the report says why.
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from nanhunt.analyse.advise import choose_init_scale, clip_value
+from nanhunt.fixspec import number
+from nanhunt.formats import get_format
 from nanhunt.trace import Experiment, Experiments, Finding, Trace
 
-__all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "failure_step", "first_rungs",
-           "horizon", "loss_gap", "next_rungs", "outcome", "silent_candidate", "silent_verdict",
-           "uses_low_precision"]
+__all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "contradiction", "failure_step",
+           "first_rungs", "horizon", "loss_gap", "measured_clip", "measured_init_scale",
+           "next_rungs", "outcome", "silent_candidate", "silent_verdict", "uses_low_precision"]
 
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
@@ -94,6 +102,37 @@ def first_rungs(trace: Trace) -> list[Rung]:
     return rungs
 
 
+def measured_clip(trace: Trace, step: int | None) -> float | None:
+    """``max_norm`` measured from the run: the median of the finite gradient norms of the steps
+    before ``step`` (all recorded steps when None), rounded up to 1, 2 or 5 times a power of
+    ten. A spike at the failure is clipped to what the run's gradients were before it. None
+    where no gradient norm was recorded."""
+    norms = [s.grad_norm for s in trace.steps if s.grad_norm is not None and
+             (step is None or s.index < step)]
+    return clip_value([n for n in norms if n is not None], percentile=50.0)
+
+
+def measured_init_scale(trace: Trace) -> float | None:
+    """GradScaler's init_scale from the unscaled gradients' exponent histogram
+    (:func:`nanhunt.analyse.advise.choose_init_scale`: nothing overflows, a binade or two of
+    headroom, the most mass normal). None where no gradient histogram was recorded, or where the
+    run's own scale is that value already."""
+    fmt = get_format(trace.run.target)
+    hist = dict(trace.grad_hist.get(fmt.name) or {})
+    if not hist:
+        for h in trace.grad_hist.values():
+            for e, c in h.items():
+                hist[e] = hist.get(e, 0) + c
+    if not any(c > 0 for c in hist.values()):
+        return None
+    current = next((s.scale for s in sorted(trace.steps, key=lambda s: s.index)
+                    if s.scale is not None and math.isfinite(s.scale) and s.scale > 0), None)
+    choice = choose_init_scale(hist, fmt, current)
+    if current is not None and choice.k == round(math.log2(current)):
+        return None
+    return choice.scale
+
+
 def next_rungs(trace: Trace, ex: Experiments) -> list[Rung]:
     """The rungs the first outcomes call for."""
     fp32 = _run(ex, "fp32")
@@ -107,11 +146,22 @@ def next_rungs(trace: Trace, ex: Experiments) -> list[Rung]:
         if trace.run.scaler:
             rungs.append(Rung("no-scaler", ("no-scaler",),
                               "does it train without loss scaling?"))
+            scale = measured_init_scale(trace)
+            if scale is not None:
+                k = math.log2(scale)
+                rungs.append(Rung("init-scale", (f"init-scale={number(scale)}",),
+                                  "does GradScaler train from the scale the gradients' "
+                                  f"exponents call for (2^{k:g})?"))
         return rungs
     if trace.optimizers or any(s.lr is not None for s in trace.steps):
         rungs += [Rung("lr-0.1", ("lr-factor=0.1",), "does a 10x lower learning rate train?"),
                   Rung("lr-0.01", ("lr-factor=0.01",),
                        "does a 100x lower learning rate train?")]
+        clip = measured_clip(trace, step)
+        if clip is not None:
+            rungs.append(Rung("clip", (f"clip={number(clip)}",),
+                              f"does clipping the gradient norm at {number(clip)} (the median "
+                              "norm before the failure) train?"))
     if step is not None and step >= 1:
         rungs.append(Rung("skip-batch", (f"skip-batch={step}",),
                           f"does it train with step {step}'s batch replaced by step "
@@ -254,7 +304,9 @@ def loss_gap(run: Experiment, reference: Experiment, ex: Experiments,
 
 
 _PRECISION_KINDS = ("overflow", "underflow", "loss_scale")
-_NOT_PRECISION_KINDS = ("lr_too_high", "exploding_gradient")
+_PRECISION_VERDICTS = ("precision", "precision-range", "precision-resolution", "loss-scaling")
+#: what a failed rung did, in the words of the verdict
+_FAILED = ("recurred", "moved", "diverged")
 _NAMES = {
     "precision": "a precision failure (range or resolution not told apart)",
     "precision-range": "a precision failure of float16's range",
@@ -265,6 +317,15 @@ _NAMES = {
     "not-precision": "not precision-specific: it fails in float32 too",
     "silent-precision": "a silent precision failure: it learns less than in float32",
 }
+
+
+def _value(e: Experiment) -> str:
+    return e.fixes[0].split("=", 1)[1] if e.fixes and "=" in e.fixes[0] else ""
+
+
+def _how(e: Experiment) -> str:
+    return e.outcome + (f" at step {e.failure_step}" if e.outcome in ("recurred", "moved") and
+                        e.failure_step is not None else "")
 
 
 def classify(ex: Experiments, trace: Trace) -> None:
@@ -280,68 +341,106 @@ def classify(ex: Experiments, trace: Trace) -> None:
         ex.verdict_text = "the control did not run: no experiment can be read"
         return
     fp32, bf16 = _run(ex, "fp32"), _run(ex, "bf16")
-    noscale = _run(ex, "no-scaler")
+    noscale, scale = _run(ex, "no-scaler"), _run(ex, "init-scale")
     said: list[str] = []
     verdict = "undetermined"
-    if fp32 is None:
-        said.append("the run used no low-precision format")
-        verdict = _not_precision(ex, said)
-    elif fp32.outcome == "trained":
-        said.append("float32 everywhere removes the failure")
+    name = ""
+    if fp32 is not None and fp32.outcome == "trained":
         if noscale is not None and noscale.outcome == "trained":
+            verdict, mid = "loss-scaling", "disabling GradScaler does too"
+        elif scale is not None and scale.outcome == "trained":
             verdict = "loss-scaling"
-            said.append("disabling GradScaler does too")
+            mid = (f"GradScaler from init_scale {_value(scale)} (the gradients' exponents) "
+                   "does too")
         elif bf16 is not None and bf16.outcome == "trained":
-            verdict = "precision-range"
-            said.append("bfloat16 does too")
-        elif bf16 is not None and bf16.outcome in ("recurred", "moved", "diverged"):
-            verdict = "precision-resolution"
-            said.append(f"bfloat16 does not ({bf16.outcome})")
+            verdict, mid = "precision-range", "bfloat16 does too"
+        elif bf16 is not None and bf16.outcome in _FAILED:
+            verdict, mid = "precision-resolution", f"bfloat16 does not ({bf16.outcome})"
         elif bf16 is None and not _float16(trace):
-            verdict = "precision-resolution"
-            said.append("the run is bfloat16 already (float32's range)")
+            verdict, mid = "precision-resolution", "the run is bfloat16 already (float32's range)"
         else:  # bfloat16 did not run (the budget) or crashed: range or resolution unknown
-            verdict = "precision"
-            said.append("bfloat16 was not tried to completion")
-    elif fp32.outcome in ("recurred", "moved", "diverged"):
-        said.append(f"float32 everywhere does not remove it ({fp32.outcome}"
-                    + (f" at step {fp32.failure_step}" if fp32.failure_step is not None
-                       else "") + ")")
-        verdict = _not_precision(ex, said)
+            verdict, mid = "precision", "bfloat16 was not tried to completion"
+        if ex.region:
+            # the narrowest experiment that proves it first (DESIGN.md §9)
+            region = ex.region.removeprefix("fp32:")
+            kept = region.endswith("..")
+            said += [f"keeping `{region.removesuffix('..')}` in float32"
+                     + (" (its output too)" if kept else "") + " removes the failure", mid,
+                     "float32 everywhere does"]
+        else:
+            said += ["float32 everywhere removes the failure", mid]
+            if ex.region_text:
+                said.append(ex.region_text)
+    elif fp32 is None or fp32.outcome in _FAILED:
+        if fp32 is None:
+            said.append("the run used no low-precision format")
+        else:
+            said.append(f"float32 everywhere does not remove it ({_how(fp32)})")
+        lrs = [e for e in (_run(ex, "lr-0.1"), _run(ex, "lr-0.01")) if e is not None]
+        lr = next((e for e in lrs if e.outcome == "trained"), None)
+        clip, skip = _run(ex, "clip"), _run(ex, "skip-batch")
+        if lr is not None:
+            verdict = "optimisation"
+            said.append(f"a learning rate x{_value(lr)} removes it")
+        elif clip is not None and clip.outcome == "trained":
+            verdict = "optimisation"
+            name = "an optimisation failure (the gradient norm)"
+            said.append(f"clipping the gradient norm at {_value(clip)} removes it")
+        elif skip is not None and skip.outcome == "trained":
+            verdict = "data"
+            said.append("replacing the failing batch removes it")
+        else:
+            verdict = "not-precision"
+            if lrs:
+                said.append("a learning rate " + " or ".join(f"x{_value(e)}" for e in lrs)
+                            + " does not (" + ", ".join(_how(e) for e in lrs) + ")")
+            if clip is not None:
+                said.append(f"clipping at {_value(clip)} does not ({_how(clip)})")
+            if skip is not None:
+                said.append(f"replacing the failing batch does not ({_how(skip)})")
+            if fp32 is None:
+                name = "nothing tried removes it"
     else:
         said.append(f"the float32 experiment {fp32.outcome}: {fp32.detail}")
     ex.verdict = verdict
-    ex.verdict_text = "; ".join(said) + (f": {_NAMES[verdict]}" if verdict in _NAMES else "")
-    kind = trace.diagnosis.kind if trace.diagnosis is not None else ""
-    if verdict in ("not-precision", "optimisation", "data") and fp32 is not None and \
-            kind in _PRECISION_KINDS:
-        ex.contradiction = (f"the rules called it {kind.replace('_', ' ')}, a precision "
-                            "failure, but it recurs in float32 everywhere: the experiments win")
-    elif verdict in ("precision", "precision-range", "precision-resolution", "loss-scaling") and \
-            kind in _NOT_PRECISION_KINDS:
-        ex.contradiction = (f"the rules called it {kind.replace('_', ' ')}, but float32 "
-                            "everywhere removes the failure: a precision failure, the "
-                            "experiments win")
+    name = name or _NAMES.get(verdict, "")
+    ex.verdict_text = "; ".join(said) + (f": {name}" if name else "")
+    ex.contradiction = contradiction(ex, trace)
 
 
-def _not_precision(ex: Experiments, said: list[str]) -> str:
-    """The verdict when precision is not the cause (float32 fails too, or the run used no
-    low-precision format): the learning-rate rungs, then the batch, tell optimisation and data
-    apart from a failure in any precision."""
-    lr = next((e for e in (_run(ex, "lr-0.1"), _run(ex, "lr-0.01"))
-               if e is not None and e.outcome == "trained"), None)
-    skip = _run(ex, "skip-batch")
-    if lr is not None:
-        said.append(f"a learning rate x{lr.fixes[0].split('=')[1]} removes it")
-        return "optimisation"
-    if skip is not None and skip.outcome == "trained":
-        said.append("replacing the failing batch removes it")
-        return "data"
-    tried = [e.rung for e in ex.runs if e.rung in ("lr-0.1", "lr-0.01", "skip-batch")
-             and e.outcome != "not run"]
-    if tried:
-        said.append(", ".join(tried) + " do not either")
-    return "not-precision"
+def contradiction(ex: Experiments, trace: Trace) -> str:
+    """Why the rules' cause loses to the experiments, or "" where they agree (or cannot tell).
+
+    A precision kind (overflow, underflow, loss scale) loses when the failure recurs in float32
+    everywhere; the learning rate or exploding gradients when float32 everywhere removes it; the
+    learning rate when every learning-rate rung that ran fails the same way (none moved the
+    failure); exploding gradients when clipping at the measured norm and every learning-rate rung
+    fail the same way."""
+    diag = trace.diagnosis
+    kind = diag.kind if diag is not None else ""
+    said = kind.replace("_", " ")
+    fp32 = _run(ex, "fp32")
+    lrs = [e for e in (_run(ex, "lr-0.1"), _run(ex, "lr-0.01")) if e is not None]
+    clip = _run(ex, "clip")
+    same = ("recurred", "diverged")  # a rung that moved the failure changed something
+    if kind in _PRECISION_KINDS and fp32 is not None and fp32.outcome in _FAILED:
+        return (f"the rules called it {said}, a precision failure, but it recurs in float32 "
+                f"everywhere ({_how(fp32)}): the experiments win")
+    if kind in ("lr_too_high", "exploding_gradient") and ex.verdict in _PRECISION_VERDICTS:
+        return (f"the rules called it {said}, but float32 everywhere removes the failure: a "
+                "precision failure, the experiments win")
+    if kind == "lr_too_high" and lrs and all(e.outcome in same for e in lrs):
+        return (f"the rules called it {said}, but a learning rate "
+                + " and ".join(f"x{_value(e)}" for e in lrs) + " fail the same way ("
+                + ", ".join(e.outcome for e in lrs) + "): not the learning rate, the "
+                "experiments win")
+    if kind == "exploding_gradient" and clip is not None and clip.outcome in same and \
+            all(e.outcome in same for e in lrs):
+        return (f"the rules called it {said}, but clipping the gradient norm at {_value(clip)}"
+                + (" and a learning rate " + " and ".join(f"x{_value(e)}" for e in lrs)
+                   if lrs else "") + " fail the same way: not the gradient's growth, the "
+                "experiments win")
+    return ""
 
 
 def silent_candidate(trace: Trace) -> bool:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanhunt.analyse.remedies import ladder, set_fix, verify_order
+from nanhunt.analyse.remedies import cure_rank, ladder, set_fix, verify_order
 from nanhunt.experiment.ladder import (
     Rung,
     classify,
@@ -43,6 +43,8 @@ from nanhunt.experiment.ladder import (
     silent_candidate,
     silent_verdict,
 )
+from nanhunt.experiment.region import Bisection
+from nanhunt.experiment.region import spec as region_spec
 from nanhunt.fixspec import parse_fix
 from nanhunt.trace import (
     Experiment,
@@ -490,13 +492,16 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
             ex.not_run.append(f"{task.label} (--fix {' --fix '.join(task.fixes)})"
                               if task.fixes else task.label)
 
-    def rung_task(rung: Rung) -> _Task:
+    reruns: dict[str, tuple[Experiment, Trace | None, int, str]] = {}
+
+    def rung_task(rung: Rung, folder: str | None = None) -> _Task:
         e = Experiment(rung=rung.name, fixes=list(rung.fixes), purpose=rung.purpose,
                        target_steps=steps)
 
         def done(task: _Task, code: int, tail: str, timed_out: bool, seconds: float) -> bool:
-            outcome(e, trace, _load(task.out / "report.json"), exit_code=code,
-                    output_tail=tail, timed_out=timed_out)
+            rerun = _load(task.out / "report.json")
+            outcome(e, trace, rerun, exit_code=code, output_tail=tail, timed_out=timed_out)
+            reruns[" ".join(rung.fixes)] = (e, rerun, code, tail)
             e.seconds = seconds
             e.report = str(task.out.relative_to(out_dir) / "report.json")
             ex.runs.append(e)
@@ -506,7 +511,7 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                          + f": {_OUTCOME_WORDS.get(e.outcome, e.outcome)}: {e.detail}")
             return False
 
-        return _Task(rung.name, list(rung.fixes), scratch / rung.name, done)
+        return _Task(rung.name, list(rung.fixes), scratch / (folder or rung.name), done)
 
     def fix_task(rec: Recommendation, fixes: list[str]) -> _Task:
         n = len([t for t in tasks_made if t.label.startswith("fix")]) + 1
@@ -531,7 +536,8 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
             progress.say(f"nanhunt: re-run {task.label} --fix {' --fix '.join(fixes)}: "
                          + ("verified: " if result.verified else "not verified: ")
                          + result.reason)
-            if result.verified and not winner:
+            if result.verified and not any(w.data.get("source") != "bisection"
+                                           for w in winner):
                 winner.append(rec)
                 set_fix(rec, trace, [parse_fix(s) for s in fixes])
                 return True
@@ -540,6 +546,23 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         task = _Task(f"fix {n}", list(fixes), scratch / f"try-{n}", done)
         tasks_made.append(task)
         return task
+
+    def reuse(rec: Recommendation, fixes: list[str], ran: tuple) -> bool:
+        """A fix an experiment rung installed already (lr-factor=0.1, clip=...): judged from
+        that re-run, not run twice. True when it is the first verified."""
+        e, rerun, code, tail = ran
+        result = judge(trace, rerun, steps, exit_code=code, output_tail=tail)
+        if e.outcome == "stopped":
+            result.verified = False
+        _conditions(result, e, ex)
+        result.fixes, result.report = list(fixes), e.report
+        result.reason += f" (the {e.rung} experiment's re-run)"
+        rec.tries.append(result)
+        if result.verified and not any(w.data.get("source") != "bisection" for w in winner):
+            winner.append(rec)
+            set_fix(rec, trace, [parse_fix(s) for s in fixes])
+            return True
+        return False
 
     tasks_made: list[_Task] = []
     try:
@@ -563,12 +586,31 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                         "trains: an optimisation failure (the learning rate)"
         elif ex.control_reproduced:
             rungs = [rung_task(r) for r in next_rungs(trace, ex)]
+            fp32 = next((e for e in ex.runs if e.rung == "fp32"), None)
+            if fp32 is not None and fp32.outcome == "trained":
+                # a precision failure: bisect float32 over the module tree, its first level
+                # beside the other rungs
+                region = _bisect(trace, ex, pool, rungs, rung_task, not_run, reruns, steps)
+                if region is not None and region.tries[-1].verified:
+                    winner.append(region)
+                    # the rules' float32 regions are the bisection's question again
+                    candidates = [r for r in candidates if r.type != "fp32_module"]
+            else:
+                pool.run(rungs, not_run)
             fixes: list[_Task] = []
+            found = False
             for rec in candidates:
                 for rung in ladder(rec, trace):
-                    if len(fixes) < cfg.tries:
+                    if " ".join(rung) in reruns:  # a rung ran this fix already: read it again
+                        found = reuse(rec, rung, reruns[" ".join(rung)])
+                    elif len(fixes) < cfg.tries:
                         fixes.append(fix_task(rec, rung))
-            pool.run(rungs + fixes, not_run)
+                    if found:
+                        break
+                if found:
+                    break
+            if not found:
+                pool.run(fixes, not_run)
     except KeyboardInterrupt:
         v.interrupted = ex.interrupted = True
         v.note = "re-run verification was interrupted (Ctrl-C); what it found so far is kept"
@@ -591,7 +633,66 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
     if ex.control_reproduced is False:
         _label_not_reproduced(trace, ex)
         return
-    _label(trace, winner[0] if winner else None, v)
+    _label(trace, winner, v)
+
+
+def _bisect(trace: Trace, ex: Experiments, pool: _Pool, first: list[_Task], rung_task: Any,
+            not_run: Any, reruns: dict, steps: int) -> Recommendation | None:
+    """The region rung (:mod:`nanhunt.experiment.region`): its first level runs with ``first``
+    (the rungs float32's outcome called for), each later level after the one before. Its result
+    is ``ex.region`` and a recommendation judged like any fix (None when no region trained)."""
+    b = Bisection.of(trace)
+    batch = list(first)
+    n = 0
+    while True:
+        proposals = b.propose()
+        if not proposals:
+            break
+        tasks = []
+        for patterns in proposals:
+            n += 1
+            fix = region_spec(patterns, b.keep)
+            tasks.append(rung_task(Rung("region", (fix,), "does float32 for "
+                                        + ", ".join(patterns) + " alone remove the failure?"),
+                                   folder=f"region-{n}"))
+        if pool.jobs >= len(tasks) + len(batch):
+            pool.run(batch + tasks, not_run)
+        else:  # fewer slots than regions: the likelier first, the other only where it failed
+            pool.run(batch + tasks[:1], not_run)
+            first_won = reruns.get(tasks[0].fixes[0], (None,))[0]
+            if first_won is None or first_won.outcome != "trained":
+                pool.run(tasks[1:], not_run)
+        batch = []
+        ran = {t.fixes[0]: reruns[t.fixes[0]][0].outcome for t in tasks
+               if t.fixes[0] in reruns}
+        won = "trained" in ran.values()
+        b.record({t.fixes[0]: ran.get(t.fixes[0], "skipped" if won else "not run")
+                  for t in tasks})
+    if batch:
+        pool.run(batch, not_run)
+    if b.region is None:
+        ex.region_text = b.text()
+        return None
+    fix = region_spec(b.region, b.keep)
+    ex.region = fix
+    e, rerun, code, tail = reruns[fix]
+    result = judge(trace, rerun, steps, exit_code=code, output_tail=tail)
+    _conditions(result, e, ex)
+    result.fixes, result.seconds, result.report = [fix], e.seconds, e.report
+    rec = next((r for r in trace.recommendations if r.type == "fp32_module" and
+                r.fix == [fix]), None)
+    if rec is None:
+        rec = Recommendation(
+            type="fp32_module", value=b.region[0] if len(b.region) == 1 else list(b.region),
+            snippet="", module=b.region[0] if len(b.region) == 1 else None,
+            evidence=[f"the smallest float32 region the bisection found: {b.runs} re-runs "
+                      "over the module tree, each half of the modules in float32 in turn"],
+            data={"source": "bisection", "modules": list(b.region),
+                  "cast_to": None if b.keep else trace.run.target})
+        set_fix(rec, trace, [parse_fix(fix)])
+        trace.recommendations.append(rec)
+    rec.tries.append(result)
+    return rec
 
 
 _OUTCOME_WORDS = {"recurred": "failure recurred", "moved": "failure moved",
@@ -659,15 +760,18 @@ def _code_change_text(rec: Recommendation) -> str:
     return "not verified: needs a change to the code (no --fix installs it)"
 
 
-def _label(trace: Trace, winner: Recommendation | None, v: Verification) -> None:
+def _label(trace: Trace, winners: list[Recommendation], v: Verification) -> None:
+    winner = winners[0] if winners else None
     for rec in trace.recommendations:
         if rec.tries:
             rec.check = "rerun"
             last = rec.tries[-1]
-            if rec is winner:
+            if any(rec is w for w in winners):
                 rec.verified = True
                 rec.verification = "verified by re-run: " + last.reason
-                if len(rec.tries) > 1:
+                if rec.data.get("source") == "bisection":
+                    rec.verification += " (the region bisection's re-run)"
+                elif len(rec.tries) > 1:
                     rec.verification += (f" (re-run {len(rec.tries)} of the search; narrower "
                                          "fixes did not train)")
             else:
@@ -683,4 +787,5 @@ def _label(trace: Trace, winner: Recommendation | None, v: Verification) -> None
                 rec.replay else ""
             rec.verification = (prefix + rec.replay + "; not re-run: " + why) if prefix else \
                 f"not verified: not re-run ({why})"
-    trace.recommendations.sort(key=lambda r: not r.verified)
+    # the verified first, the likeliest cure among them first (a float32 region before a clamp)
+    trace.recommendations.sort(key=lambda r: (not r.verified, cure_rank(r) if r.verified else 0))

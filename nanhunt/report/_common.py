@@ -218,6 +218,16 @@ def _problem_text(trace: Trace) -> str:
     diag = trace.diagnosis
     kind = (diag.kind if diag else "") or "non-finite value"
     kind = kind.replace("_", " ")
+    ex = trace.experiments
+    if ex is not None and ex.contradiction and ex.source == "experiments":
+        # the rules' cause lost to the experiments: the headline does not lead with it
+        return _problem_text_of(trace, "failure") + \
+            f" (not {kind}: the experiments contradict it)"
+    return _problem_text_of(trace, kind)
+
+
+def _problem_text_of(trace: Trace, kind: str) -> str:
+    diag = trace.diagnosis
     ff = trace.first_failure
     if diag is not None and diag.rule == "untraced-step" and ff is not None:
         why = "step not traced" if ff.observed else "weights non-finite before the step"

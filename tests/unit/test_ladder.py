@@ -8,7 +8,15 @@ import math
 
 import pytest
 
-from nanhunt.experiment.ladder import classify, control_facts, horizon, next_rungs, outcome
+from nanhunt.experiment.ladder import (
+    classify,
+    control_facts,
+    horizon,
+    measured_clip,
+    measured_init_scale,
+    next_rungs,
+    outcome,
+)
 from nanhunt.experiment.verify import _conditions, judge
 from nanhunt.trace import (
     Experiment,
@@ -218,3 +226,152 @@ def test_another_finding_in_a_run_that_trained_is_said_not_its_outcome():
     same.diagnosis = Finding(rule="r", kind="overflow", severity="error", message="m")
     assert outcome(Experiment("fp32", target_steps=24), t, same, exit_code=1).outcome == \
         "diverged"
+
+
+# --- the optimizer and loss-scaling rungs, and contradictions for every kind ------------------
+
+
+def _rung(name: str, result: str, fix: str = "", step: int | None = None) -> Experiment:
+    return Experiment(rung=name, outcome=result, fixes=[fix] if fix else [], failure_step=step)
+
+
+def _ladder(original: Trace, *runs: Experiment) -> Experiments:
+    ex = Experiments(failure_step=original.first_failure.step if original.first_failure
+                     else 3, control_reproduced=True)
+    ex.runs = [_rung("control", "recurred"), *runs]
+    return ex
+
+
+def test_the_measured_clip_is_the_median_norm_before_the_failure_rounded_up():
+    t = _original(6)
+    for s, norm in zip(t.steps, (1.2, 3.1, 2.2, 40.0, 2.9, 2.5, None)):
+        s.grad_norm = norm
+    # the six finite norms before step 6, sorted: 1.2 2.2 2.5 2.9 3.1 40; the nearest-rank
+    # median is the 3rd, 2.5, rounded up to 1, 2 or 5 times a power of ten: 5
+    assert measured_clip(t, 6) == 5.0
+    assert measured_clip(t, 4) == 5.0  # 1.2 2.2 3.1 40 -> rank 2 -> 2.2 -> 5
+    assert measured_clip(t, 1) == 2.0  # 1.2 alone
+    assert measured_clip(_original(3), 3) is None  # no norm recorded: no clip rung
+
+
+def test_the_measured_init_scale_comes_from_the_gradients_exponents():
+    t = _original(3)
+    for s in t.steps:
+        s.scale = 65536.0
+    # gradients up to binade 2 (|g| < 8): 2^(15 - 2 - 2) = 2^11 keeps two binades of headroom
+    t.grad_hist = {"float16": {2: 10, 0: 100, -6: 50}}
+    assert measured_init_scale(t) == 2.0 ** 11
+    t.grad_hist = {"float16": {0: 10}}  # |g| < 2: 2^(15 - 0 - 2)
+    assert measured_init_scale(t) == 2.0 ** 13
+    for s in t.steps:
+        s.scale = 2.0 ** 13
+    assert measured_init_scale(t) is None  # the run's scale is that value already
+    t.grad_hist = {}
+    assert measured_init_scale(t) is None
+
+
+def test_the_rungs_carry_the_measured_values():
+    t = _original(4)
+    t.optimizers = [OptimizerInfo(type="SGD")]
+    for s, norm in zip(t.steps, (1.0, 1.5, 1.4, 1.3)):
+        s.grad_norm, s.scale = norm, 65536.0
+    t.grad_hist = {"float16": {3: 5}}
+    precision = _ladder(t, _rung("fp32", "trained"))
+    assert [(r.name, r.fixes) for r in next_rungs(t, precision)] == [
+        ("bf16", ("bf16",)), ("no-scaler", ("no-scaler",)), ("init-scale", ("init-scale=1024",))]
+    other = _ladder(t, _rung("fp32", "recurred", step=4))
+    other.failure_step = 4
+    assert [(r.name, r.fixes) for r in next_rungs(t, other)] == [
+        ("lr-0.1", ("lr-factor=0.1",)), ("lr-0.01", ("lr-factor=0.01",)), ("clip", ("clip=2",)),
+        ("skip-batch", ("skip-batch=4",))]
+
+
+@pytest.mark.parametrize(("runs", "verdict", "says"), [
+    # clipping at the measured norm trains where the learning rate does not
+    ((_rung("fp32", "recurred", step=3), _rung("lr-0.1", "diverged", "lr-factor=0.1"),
+      _rung("clip", "trained", "clip=2")), "optimisation", "clipping the gradient norm at 2"),
+    # GradScaler from the measured scale trains: loss scaling, not float16's range
+    ((_rung("fp32", "trained"), _rung("bf16", "trained", "bf16"),
+      _rung("init-scale", "trained", "init-scale=2048")), "loss-scaling",
+     "GradScaler from init_scale 2048"),
+    # a float32 run (no fp32 rung): the learning-rate rungs decide
+    ((_rung("lr-0.1", "trained", "lr-factor=0.1"),), "optimisation", "x0.1 removes it"),
+    ((_rung("lr-0.1", "diverged", "lr-factor=0.1"), _rung("lr-0.01", "diverged",
+                                                          "lr-factor=0.01")),
+     "not-precision", "x0.1 or x0.01 does not (diverged, diverged)"),
+])
+def test_the_optimizer_and_scaling_rungs_in_the_decision_table(runs, verdict, says):
+    t = _original()
+    ex = _ladder(t, *runs)
+    classify(ex, t)
+    assert ex.verdict == verdict and says in ex.verdict_text, ex.verdict_text
+
+
+@pytest.mark.parametrize(("kind", "runs", "lost"), [
+    # every learning-rate rung fails the same way: not the learning rate
+    ("lr_too_high", (_rung("lr-0.1", "diverged", "lr-factor=0.1"),
+                     _rung("lr-0.01", "diverged", "lr-factor=0.01")), "not the learning rate"),
+    ("lr_too_high", (_rung("fp32", "recurred", step=3),
+                     _rung("lr-0.1", "recurred", "lr-factor=0.1", 3),
+                     _rung("lr-0.01", "recurred", "lr-factor=0.01", 3)), "not the learning rate"),
+    # a lower learning rate moved the failure: the learning rate matters, no contradiction
+    ("lr_too_high", (_rung("lr-0.1", "diverged", "lr-factor=0.1"),
+                     _rung("lr-0.01", "moved", "lr-factor=0.01", 9)), ""),
+    ("lr_too_high", (_rung("lr-0.1", "trained", "lr-factor=0.1"),), ""),
+    # clipping at the measured norm and the learning rates fail alike: not the gradient's growth
+    ("exploding_gradient", (_rung("lr-0.1", "diverged", "lr-factor=0.1"),
+                            _rung("lr-0.01", "diverged", "lr-factor=0.01"),
+                            _rung("clip", "diverged", "clip=5")), "not the gradient's growth"),
+    ("exploding_gradient", (_rung("lr-0.1", "diverged", "lr-factor=0.1"),
+                            _rung("clip", "trained", "clip=5")), ""),
+    ("exploding_gradient", (_rung("fp32", "trained"), _rung("bf16", "trained", "bf16")),
+     "float32 everywhere removes"),
+    ("underflow", (_rung("fp32", "moved", step=7),), "recurs in float32"),
+    ("loss_scale", (_rung("fp32", "diverged"),), "recurs in float32"),
+    ("loss_scale", (_rung("fp32", "trained"), _rung("no-scaler", "trained", "no-scaler")), ""),
+    ("overflow", (_rung("fp32", "trained"), _rung("bf16", "trained", "bf16")), ""),
+    # a kind the ladder does not test is not contradicted by it
+    ("nan_op", (_rung("fp32", "recurred", step=3),), ""),
+])
+def test_a_rule_whose_cause_the_experiments_contradict_loses(kind, runs, lost):
+    t = _original(kind=kind)
+    ex = _ladder(t, *runs)
+    classify(ex, t)
+    if lost:
+        assert lost in ex.contradiction and kind.replace("_", " ") in ex.contradiction
+        assert "the experiments win" in ex.contradiction
+        # the verdict is the experiments': never the cause that lost
+        if "learning rate" in lost or "growth" in lost:
+            assert ex.verdict != "optimisation"
+    else:
+        assert ex.contradiction == "", ex.contradiction
+
+
+def test_the_headline_does_not_lead_with_a_cause_that_lost():
+    from nanhunt.report._common import verdict
+
+    t = _original(kind="lr_too_high")
+    t.diagnosis.phase = "optimizer"
+    ex = _ladder(t, _rung("lr-0.1", "diverged", "lr-factor=0.1"),
+                 _rung("lr-0.01", "diverged", "lr-factor=0.01"))
+    ex.source = "experiments"
+    classify(ex, t)
+    t.experiments = ex
+    line = verdict(t).headline
+    assert line.startswith("PROBLEM: failure in optimizer at step 3")
+    assert "(not lr too high: the experiments contradict it)" in line
+    assert "x0.1 or x0.01 does not (diverged, diverged)" in line
+
+
+def test_the_region_is_cited_first_in_the_verdict():
+    t = _original(kind="overflow")
+    ex = _ladder(t, _rung("fp32", "trained"), _rung("bf16", "recurred", "bf16"))
+    ex.region = "fp32:decoder.2.."
+    classify(ex, t)
+    assert ex.verdict_text.startswith(
+        "keeping `decoder.2` in float32 (its output too) removes the failure; bfloat16 does not "
+        "(recurred); float32 everywhere does: a precision failure of resolution")
+    ex.region, ex.region_text = "", "no module region alone removes it"
+    classify(ex, t)
+    assert ex.verdict_text.startswith("float32 everywhere removes the failure; bfloat16 does not "
+                                      "(recurred); no module region alone removes it")
