@@ -115,8 +115,11 @@ def measured_clip(trace: Trace, step: int | None) -> float | None:
 def measured_init_scale(trace: Trace) -> float | None:
     """GradScaler's init_scale from the unscaled gradients' exponent histogram
     (:func:`nanhunt.analyse.advise.choose_init_scale`: nothing overflows, a binade or two of
-    headroom, the most mass normal). None where no gradient histogram was recorded, or where the
-    run's own scale is that value already."""
+    headroom, the most mass normal). A step GradScaler skipped left its overflowing gradients out
+    of the histogram (they were inf), so where the run skipped steps the choice is capped at the
+    largest scale at which the run applied a step (its gradients' top exponent fitted float16
+    there), or below the smallest scale tried when it applied none. None where no gradient
+    histogram was recorded, or where the run's own first scale is that value already."""
     fmt = get_format(trace.run.target)
     hist = dict(trace.grad_hist.get(fmt.name) or {})
     if not hist:
@@ -125,12 +128,19 @@ def measured_init_scale(trace: Trace) -> float | None:
                 hist[e] = hist.get(e, 0) + c
     if not any(c > 0 for c in hist.values()):
         return None
-    current = next((s.scale for s in sorted(trace.steps, key=lambda s: s.index)
-                    if s.scale is not None and math.isfinite(s.scale) and s.scale > 0), None)
-    choice = choose_init_scale(hist, fmt, current)
-    if current is not None and choice.k == round(math.log2(current)):
+    steps = sorted(trace.steps, key=lambda s: s.index)
+    scales = [s.scale for s in steps if s.scale is not None and math.isfinite(s.scale) and
+              s.scale > 0]
+    current = scales[0] if scales else None
+    k = choose_init_scale(hist, fmt, current).k
+    if any(s.skipped for s in steps) and scales:
+        applied = [s.scale for s in steps if not s.skipped and s.scale is not None and
+                   math.isfinite(s.scale) and s.scale > 0]
+        k = min(k, math.floor(math.log2(max(applied))) if applied else
+                math.floor(math.log2(min(scales))) - 1)
+    if current is not None and k == round(math.log2(current)):
         return None
-    return choice.scale
+    return 2.0 ** k
 
 
 def next_rungs(trace: Trace, ex: Experiments) -> list[Rung]:

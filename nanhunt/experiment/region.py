@@ -77,6 +77,10 @@ class Tree:
     def _key(self, name: str) -> int:
         return self.order.get(name, len(self.names))
 
+    def matches(self, patterns: list[str]) -> int:
+        """How many modules ``patterns`` name."""
+        return sum(any(fnmatch.fnmatchcase(n, p) for p in patterns) for n in self.names)
+
     def children(self, pattern: str) -> list[str]:
         """The children of the modules ``pattern`` names, as patterns under it, in execution
         order (``blocks.*`` -> ``blocks.*.attn``, ``blocks.*.ffn``)."""
@@ -172,8 +176,8 @@ class Bisection:
         moved = next((s for s in tried if s.outcome == "moved"), None)
         if moved is not None and why == "half":
             siblings = list(dict.fromkeys(module_pattern(p) for p in moved.patterns))
-            wider = sorted(set(siblings) - set(moved.patterns))
-            if wider and not self._covers(siblings):
+            if self.tree.matches(siblings) > self.tree.matches(moved.patterns) and \
+                    not self._covers(siblings):
                 self._pending = [Step(siblings, "siblings")]
                 return
         if self.region is None and why == "half" and len(self.units) > 1 and \

@@ -593,8 +593,9 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                 region = _bisect(trace, ex, pool, rungs, rung_task, not_run, reruns, steps)
                 if region is not None and region.tries[-1].verified:
                     winner.append(region)
-                    # the rules' float32 regions are the bisection's question again
-                    candidates = [r for r in candidates if r.type != "fp32_module"]
+                    # only the rules' fixes likelier to cure than a float32 region (a floor, an
+                    # eps) are still worth a re-run
+                    candidates = [r for r in candidates if cure_rank(r) < cure_rank(region)]
             else:
                 pool.run(rungs, not_run)
             fixes: list[_Task] = []

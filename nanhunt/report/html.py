@@ -567,7 +567,10 @@ def _experiments(trace: Trace) -> str:
              f"<th>what it showed</th><th class=\"num\">time</th></tr></thead><tbody>{rows}"
              "</tbody></table></div>")
     fixes = [e for e in ex.runs if e.rung == "fix"]
-    fix = next((e for e in fixes if e.outcome == "trained"), fixes[-1] if fixes else None)
+    # the verified fix's re-run (the region bisection's, a rung's or the fix search's)
+    verified = next((r.fix for r in trace.recommendations if r.verified and r.fix), None)
+    fix = next((e for e in ex.runs if verified and e.fixes == verified and e.losses), None) or \
+        next((e for e in fixes if e.outcome == "trained"), fixes[-1] if fixes else None)
     curves = [("original run", [(s.index, s.loss) for s in trace.steps])]
     for label, e in (("control", next((e for e in ex.runs if e.rung == "control"), None)),
                      ("fp32", next((e for e in ex.runs if e.rung == "fp32"), None)),

@@ -92,18 +92,21 @@ def test_a_fix_that_only_moves_the_failure_is_not_verified_a_wider_one_is(report
     original = first_nan(run_script(script))
     assert original == report["first_failure"]["step"] == 2
     rec = verified(report)
-    narrow = rec["tries"][0]
-    assert not narrow["verified"]
-    assert narrow["failure_step"] > original  # the failure moved later
-    # the script itself agrees: the narrow fix only delays the NaN, the verified one trains
-    assert first_nan(run_script(script, fixes=narrow["fixes"])) == narrow["failure_step"]
+    # the region bisection: block 1 alone in float32 moves the failure (block 0's turn), so the
+    # siblings are tried together, and the blocks' region trains
+    runs = report["experiments"]["runs"]
+    moved = [e for e in runs if e["rung"] == "region" and e["outcome"] == "moved"]
+    assert moved and all(e["failure_step"] > original for e in moved)
+    # the script itself agrees: the narrow region only delays the NaN, the verified one trains
+    assert first_nan(run_script(script, fixes=moved[0]["fixes"])) == moved[0]["failure_step"]
     assert first_nan(run_script(script, ["--steps", "12"], fixes=rec["fix"])) is None
     assert "*" in rec["fix"][0]  # a pattern: both blocks
+    assert rec["fix"] == [report["experiments"]["region"]] and rec["type"] == "fp32_module"
     assert rec["tries"][-1]["verified"] and rec["tries"][-1]["fixes"] == rec["fix"]
     # the console says the script will be re-run before the first re-run
     assert stderr.index("re-running the script (a control, the experiment ladder, up to 4 "
-                        "fixes)") < stderr.index("nanhunt: re-run fix 1 --fix")
-    assert report["verification"]["tries"] == len(rec["tries"])
+                        "fixes)") < stderr.index("nanhunt: experiment region (--fix")
+    assert report["verification"]["tries"] == len([e for e in runs if e["rung"] == "fix"])
 
 
 @pytest.mark.parametrize(("script", "culprit"), [

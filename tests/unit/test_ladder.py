@@ -375,3 +375,18 @@ def test_the_region_is_cited_first_in_the_verdict():
     classify(ex, t)
     assert ex.verdict_text.startswith("float32 everywhere removes the failure; bfloat16 does not "
                                       "(recurred); no module region alone removes it")
+
+
+def test_a_run_that_skipped_steps_caps_the_measured_scale_at_one_that_applied_a_step():
+    # the skipped steps' overflowing gradients were inf: not in the histogram, which alone
+    # would call for 2^13; the run applied steps at 2^8 and skipped at 2^9 and above
+    t = _original(3)
+    t.grad_hist = {"float16": {0: 10}}
+    t.steps = [StepRecord(index=i, loss=1.0, scale=2.0 ** (16 - i), skipped=True)
+               for i in range(8)]
+    t.steps += [StepRecord(index=8, loss=1.0, scale=2.0 ** 8),
+                StepRecord(index=9, loss=1.0, scale=2.0 ** 9, skipped=True)]
+    assert measured_init_scale(t) == 2.0 ** 8
+    for s in t.steps:
+        s.skipped = True  # none applied: below the smallest scale tried
+    assert measured_init_scale(t) == 2.0 ** 7
