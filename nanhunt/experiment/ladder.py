@@ -40,6 +40,8 @@ __all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "contradiction", "f
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
 HORIZON_FACTOR, HORIZON_MIN = 2, 20  # re-runs run to max(2 x failure, failure + 20)
+#: the percentile of the gradient norms before the failure that the clip rung clips at
+CLIP_PERCENTILE = 10.0
 #: a run with no problem is compared with its float32 experiment when it ran this many steps
 #: (fewer cannot show that it learns less)
 MIN_SILENT_STEPS = 20
@@ -103,13 +105,16 @@ def first_rungs(trace: Trace) -> list[Rung]:
 
 
 def measured_clip(trace: Trace, step: int | None) -> float | None:
-    """``max_norm`` measured from the run: the median of the finite gradient norms of the steps
-    before ``step`` (all recorded steps when None), rounded up to 1, 2 or 5 times a power of
-    ten. A spike at the failure is clipped to what the run's gradients were before it. None
-    where no gradient norm was recorded."""
+    """``max_norm`` measured from the run: the 10th percentile (nearest rank: the smallest of up
+    to ten) of the finite gradient norms of the steps before ``step`` (all recorded steps when
+    None), rounded up to 1, 2 or 5 times a power of ten. Gradients that explode grow for
+    several steps before anything fails, so the median of those steps is already part of the
+    growth; the low end is what the run's gradients were while it trained, and the rung asks
+    whether holding them there removes the failure. None where no gradient norm was
+    recorded."""
     norms = [s.grad_norm for s in trace.steps if s.grad_norm is not None and
              (step is None or s.index < step)]
-    return clip_value([n for n in norms if n is not None], percentile=50.0)
+    return clip_value([n for n in norms if n is not None], percentile=CLIP_PERCENTILE)
 
 
 def measured_init_scale(trace: Trace) -> float | None:
@@ -170,8 +175,8 @@ def next_rungs(trace: Trace, ex: Experiments) -> list[Rung]:
         clip = measured_clip(trace, step)
         if clip is not None:
             rungs.append(Rung("clip", (f"clip={number(clip)}",),
-                              f"does clipping the gradient norm at {number(clip)} (the median "
-                              "norm before the failure) train?"))
+                              f"does clipping the gradient norm at {number(clip)} (the low end "
+                              "of the norms before the failure) train?"))
     if step is not None and step >= 1:
         rungs.append(Rung("skip-batch", (f"skip-batch={step}",),
                           f"does it train with step {step}'s batch replaced by step "

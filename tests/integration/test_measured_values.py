@@ -65,8 +65,8 @@ def test_clipping_at_the_measured_norm_trains_the_exploding_rnn(runs):
     clip = measured_clip(trace, step)
     before = [s.grad_norm for s in trace.steps if s.index < step and s.grad_norm is not None
               and math.isfinite(s.grad_norm)]
-    # the median norm before the failure, rounded up within one 1-2-5 step
-    assert sorted(before)[(len(before) + 1) // 2 - 1] <= clip <= 5 * max(before)
+    # the low end of the norms before the failure, rounded up within one 1-2-5 step
+    assert min(before) <= clip <= 2.5 * min(before) < max(before)
     unfixed = _field(res.stdout.splitlines(), "loss")
     assert _diverged(unfixed), unfixed  # the script's own output without the fix
     fixed = _field(run_script(RNN, fixes=[f"clip={number(clip)}"]), "loss")
@@ -100,7 +100,9 @@ def test_the_computed_eps_trains(runs, key, script):
     res = runs[key].result()
     rec = next(r for r in res.report["recommendations"] if r["type"] == "eps")
     assert rec["value"] == 1e-4 and rec["fix"], rec  # float16's smallest normal is 6.1e-5
-    unfixed = _field(res.stdout.splitlines(), "loss")
-    assert not all(math.isfinite(v) for v in unfixed), unfixed
+    # the script without the fix: its second step's loss is NaN (nanhunt stopped the CLI run
+    # at the failure, in step 0's optimizer step, before the script printed it)
+    unfixed = _field(run_script(SCRIPTS / script, ["--steps", "2"]), "loss")
+    assert not math.isfinite(unfixed[1]), unfixed
     fixed = _field(run_script(SCRIPTS / script, fixes=rec["fix"]), "loss")
-    assert len(fixed) >= len(unfixed) and all(math.isfinite(v) for v in fixed), (rec["fix"], fixed)
+    assert len(fixed) == 4 and all(math.isfinite(v) for v in fixed), (rec["fix"], fixed)

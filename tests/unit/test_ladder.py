@@ -242,15 +242,16 @@ def _ladder(original: Trace, *runs: Experiment) -> Experiments:
     return ex
 
 
-def test_the_measured_clip_is_the_median_norm_before_the_failure_rounded_up():
+def test_the_measured_clip_is_the_low_end_of_the_norms_before_the_failure_rounded_up():
     t = _original(6)
-    for s, norm in zip(t.steps, (1.2, 3.1, 2.2, 40.0, 2.9, 2.5, None)):
+    for s, norm in zip(t.steps, (30.2, 2.4, 8.5, 48.0, 589.0, None)):
         s.grad_norm = norm
-    # the six finite norms before step 6, sorted: 1.2 2.2 2.5 2.9 3.1 40; the nearest-rank
-    # median is the 3rd, 2.5, rounded up to 1, 2 or 5 times a power of ten: 5
+    # norms growing before the failure (an exploding RNN): the smallest of up to ten, 2.4,
+    # rounded up to 1, 2 or 5 times a power of ten
     assert measured_clip(t, 6) == 5.0
-    assert measured_clip(t, 4) == 5.0  # 1.2 2.2 3.1 40 -> rank 2 -> 2.2 -> 5
-    assert measured_clip(t, 1) == 2.0  # 1.2 alone
+    assert measured_clip(t, 1) == 50.0  # 30.2 alone
+    t.steps = [StepRecord(index=i, loss=1.0, grad_norm=float(i + 1)) for i in range(40)]
+    assert measured_clip(t, 40) == 5.0  # the 4th smallest of 40 (nearest rank), 4
     assert measured_clip(_original(3), 3) is None  # no norm recorded: no clip rung
 
 
@@ -273,7 +274,7 @@ def test_the_measured_init_scale_comes_from_the_gradients_exponents():
 def test_the_rungs_carry_the_measured_values():
     t = _original(4)
     t.optimizers = [OptimizerInfo(type="SGD")]
-    for s, norm in zip(t.steps, (1.0, 1.5, 1.4, 1.3)):
+    for s, norm in zip(t.steps, (1.9, 1.5, 1.4, 1.3)):
         s.grad_norm, s.scale = norm, 65536.0
     t.grad_hist = {"float16": {3: 5}}
     precision = _ladder(t, _rung("fp32", "trained"))
