@@ -93,10 +93,32 @@ class SignalObserver(Part):
     # -- the optimizer step ------------------------------------------------------------------
 
     @_safe
-    @torch.no_grad()
-    def _on_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _on_pre(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         if not self.s._active or _skip():
-            return
+            return None
+        closure = kwargs.get("closure") if callable(kwargs.get("closure")) else \
+            args[1] if len(args) > 1 and callable(args[1]) else None
+        if closure is None:
+            self._measure_before(optimizer)
+            return None
+        # the closure (Lightning's training step, LBFGS's re-evaluation) makes this step's
+        # gradients: measured after its first call, before the update; it returns exactly
+        # what the closure returns
+        measured = [False]
+
+        def then_measure(*a: Any, **k: Any) -> Any:
+            out = closure(*a, **k)
+            if not measured[0]:
+                measured[0] = True
+                self._guard(self._measure_before, optimizer)
+            return out
+
+        if callable(kwargs.get("closure")):
+            return args, {**kwargs, "closure": then_measure}
+        return (args[0], then_measure, *args[2:]), kwargs
+
+    @torch.no_grad()
+    def _measure_before(self, optimizer: Any) -> None:
         kept, step = [], self.s._step
         for i, group in enumerate(optimizer.param_groups):
             params = self._params(group)

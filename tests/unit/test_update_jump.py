@@ -56,3 +56,28 @@ def test_a_forward_overflow_after_healthy_updates_is_not_the_learning_rate():
     trace = train(1e-3, spike_at=2)
     assert (trace.first_failure.step, trace.first_failure.phase) == (2, "forward")
     assert trace.diagnosis.rule != "update-jump"
+
+
+def test_a_step_with_a_closure_is_measured_after_the_closure_made_its_gradients():
+    """optimizer.step(closure) (Lightning's automatic optimisation, LBFGS): the forward and
+    backward run inside the step, so before it there are no gradients to measure; the
+    signals of step 0 must still be there, and the jump read from them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e20)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    losses = []
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with nanhunt.watch(model, opt) as hunt:
+        for _ in range(3):
+            losses.append(opt.step(closure))
+    assert all(isinstance(v, torch.Tensor) for v in losses)  # what the closure returned
+    trace = analyse(hunt.trace(), hunt.snapshot)
+    assert [st.step for st in trace.signals][:1] == [0]
+    assert trace.diagnosis.rule == "update-jump" and trace.diagnosis.step == 0
