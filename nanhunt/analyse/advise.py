@@ -1187,7 +1187,7 @@ def _fsdp_reduce_dtype(trace: Trace, ctx: Context, finding: Finding) -> Recommen
     param = policy.get("param_dtype")
     code = "\n".join([
         "import torch",
-        "from torch.distributed.fsdp import MixedPrecisionPolicy",
+        "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
         "",
         "policy = MixedPrecisionPolicy("
         + (f"param_dtype=torch.{param}, " if param else "") + "reduce_dtype=torch.float32)",

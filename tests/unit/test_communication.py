@@ -341,3 +341,39 @@ def test_the_precision_rungs_change_the_compression_too():
     if torch.version.cuda is None:
         with pytest.raises(FixMismatch, match=r"^--fix bf16: DDP refuses bf16_compress_hook"):
             _train("fp16", steps=1, fixes=["bf16"])
+
+
+def _fsdp_reduce_run(reduce_dtype):
+    """FSDP2 on one rank, float32 weights, gradients reduced in ``reduce_dtype``; step 1's
+    gradients are scaled by hand far beyond float16's max."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
+    for unit in (model[0], model[2], model):
+        fully_shard(unit, mp_policy=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    with nanhunt.watch(model, opt) as hunt:
+        for step in range(3):
+            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)))
+            opt.zero_grad()
+            loss.pow(2).mean().backward(torch.tensor(1e7) if step == 1 else None)
+            opt.step()
+    trace = hunt.trace()
+    advise(trace)
+    return trace
+
+
+def test_an_fsdp2_reduce_scatter_that_overflows_is_found_and_the_policy_advice_cures_it():
+    trace = _fsdp_reduce_run(torch.float16)
+    f = trace.first_failure
+    assert (f.step, f.phase, f.module, f.tensor) == (1, "communication", "2", "2.weight.grad")
+    assert (f.reduction, f.reduce_dtype) == ("FSDP2 reduce-scatter of 2", "float16")
+    assert trace.diagnosis.rule == "reduction-overflow"
+    rec = next(r for r in trace.recommendations if r.type == "fsdp_policy")
+    assert "reduce_dtype=torch.float32" in rec.snippet
+    assert "param_dtype=torch.float32" in rec.snippet  # the policy's own, kept
+    # the advice applied to every unit (as its comment says): the same loop reduces in float32
+    fixed = _fsdp_reduce_run(torch.float32)
+    assert fixed.first_failure is None and not fixed.problem
