@@ -131,6 +131,19 @@ def bad_samples_text(indices: list[int], limit: int = 8) -> str:
     return text + (f" (+{len(indices) - limit} more)" if len(indices) > limit else "")
 
 
+def reduction_text(ff: Failure) -> str | None:
+    """For a failure in the reduction across ranks: how it was reduced, in which dtype, and this
+    rank's own gradient before it (``None`` for other phases)."""
+    if ff.phase != "communication" or not ff.reduction:
+        return None
+    text = ff.reduction + (f", in {ff.reduce_dtype}" if ff.reduce_dtype else "")
+    local = ff.local_grad
+    if local is None:
+        return text + "; this rank's gradient before it: not observed"
+    state = "finite" if not local.nonfinite else f"{local.nonfinite} non-finite"
+    return text + f"; this rank's gradient before it: {state}, amax {local.amax:.3g}"
+
+
 def first_line(text: str | None, limit: int = 160) -> str:
     """The most telling line of an error message: the last non-empty one (a traceback's end)."""
     lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]

@@ -37,6 +37,7 @@ from nanhunt.report._common import (
     plural,
     rank_status,
     ranked_warnings,
+    reduction_text,
     scaler_notes,
     shape_text,
     target_format,
@@ -326,6 +327,9 @@ def _failure(ff: Failure, fmt: NumberFormat) -> str:
         for k, v, c in stats
     )
     detail = f'<p class="detail">{esc(ff.detail)}</p>' if ff.detail else ""
+    reduced = reduction_text(ff)
+    if reduced:
+        detail = f'<p class="detail">Reduced across ranks: {esc(reduced)}</p>' + detail
     if ff.bad_samples:
         samples = "; ".join(f"{k}: {bad_samples_text(v)}" for k, v in ff.bad_samples.items())
         detail += f'<p class="detail">Samples with non-finite values: {esc(samples)}</p>'

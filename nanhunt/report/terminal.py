@@ -43,6 +43,7 @@ from nanhunt.report._common import (
     rank_order,
     rank_status,
     ranked_warnings,
+    reduction_text,
     scaler_notes,
     shape_text,
     target_format,
@@ -224,6 +225,9 @@ def _failure(ff: Failure, fmt: NumberFormat) -> Table:
     grid.add_row("tensor", Text(f"{s.dtype} [{shape}], {s.numel:,} values"))
     grid.add_row("values", Text(", ".join(values_summary(s, fmt)), style="red"))
     grid.add_row("limit", Text(f"{fmt.name} max {fmt.max:g}"))
+    reduced = reduction_text(ff)
+    if reduced:
+        grid.add_row("reduced", Text(reduced))
     if ff.detail:
         grid.add_row("detail", Text(ff.detail))
     for name, indices in ff.bad_samples.items():

@@ -377,3 +377,21 @@ def test_an_fsdp2_reduce_scatter_that_overflows_is_found_and_the_policy_advice_c
     # the advice applied to every unit (as its comment says): the same loop reduces in float32
     fixed = _fsdp_reduce_run(torch.float32)
     assert fixed.first_failure is None and not fixed.problem
+
+
+def test_the_reports_say_how_the_gradient_was_reduced(fp16_run):
+    import io
+
+    from rich.console import Console
+
+    from nanhunt.report.html import render_html
+    from nanhunt.report.terminal import render_terminal
+
+    _losses, _weights, trace = fp16_run
+    expected = ("DDP all-reduce through fp16_compress_hook, in float16; this rank's gradient "
+                f"before it: finite, amax {trace.first_failure.local_grad.amax:.3g}")
+    out = io.StringIO()
+    render_terminal(trace, Console(file=out, width=200, color_system=None))
+    assert any(line.split() == ["reduced", *expected.split()]
+               for line in out.getvalue().splitlines())
+    assert f"Reduced across ranks: {expected}" in render_html(trace).replace("&#x27;", "'")
