@@ -309,7 +309,11 @@ def ladder(rec: Recommendation, trace: Trace) -> list[list[str]]:
     elif first.kind == "zloss":
         rungs.append([f"zloss:{first.patterns[0]}={number((first.value or 1e-4) * 10)}"])
     elif first.kind == "cap":
-        rungs.append([f"cap:{first.patterns[0]}={number((first.value or 20.0) / 2)}"])
+        # a capped attention passes the growth to its siblings (the same layer in the other
+        # blocks): cap them all, then lower
+        sib = module_pattern(first.patterns[0])
+        rungs.append([f"cap:{sib}={number(first.value)}"])
+        rungs.append([f"cap:{sib}={number((first.value or 20.0) / 2)}"])
     seen: list[list[str]] = []
     for r in rungs:
         canon = [str(parse_fix(s)) for s in r]

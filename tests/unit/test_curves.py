@@ -489,3 +489,14 @@ def test_pre_ln_or_a_warmup_or_a_loss_that_falls_is_no_post_ln_finding():
     warming = [0.03 * min(1.0, (i + 1) / 10) for i in range(24)]
     assert not by_rule(_run(True, warming, _stuck()), "post-ln-warmup")
     assert not by_rule(_run(True, [0.03] * 24, falling(24)), "post-ln-warmup")
+
+
+def test_the_cap_widens_to_the_sibling_attentions_then_lowers():
+    from nanhunt.analyse.remedies import ladder
+    from nanhunt.trace import Recommendation
+
+    rec = Recommendation(type="logit_cap", value=20.0, snippet="", module="trunk.blocks.0.attn",
+                         fix=["cap:trunk.blocks.0.attn=20"])
+    assert ladder(rec, Trace(run=RunInfo())) == [
+        ["cap:trunk.blocks.0.attn=20"], ["cap:trunk.blocks.*.attn=20"],
+        ["cap:trunk.blocks.*.attn=10"]]
