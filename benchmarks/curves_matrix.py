@@ -39,8 +39,8 @@ PATTERNS = {
     "output-logits": (["--hot", "{head}", "--hot-lr", "10"], "logit-growth", "logit_growth",
                       "head", ["--hot-lr", "0.003"]),
     "lr-far-too-high": (["--lr", "1"], "loss-divergence", "lr_too_high", None, ["--lr", "1e-3"]),
-    "post-ln-no-warmup": (["--post-ln", "--depth", "4", "--lr", "0.03"], None, None, None,
-                          ["--warmup", "20"]),
+    "post-ln-no-warmup": (["--post-ln", "--depth", "4", "--lr", "0.03"], "post-ln-warmup",
+                          "lr_too_high", None, ["--warmup", "20"]),
     "stall-bf16-weights": (["--weights", "bf16", "--lr", "3e-4", "--steps", "40"], "loss-stall",
                            "underflow", None, ["--weights", "fp32"]),
 }
