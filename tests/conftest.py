@@ -68,3 +68,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session):
+    # the fork servers of tests/clirun.py (started by the first test that runs a CLI)
+    from clirun import close_fork_servers
+
+    close_fork_servers()

@@ -8,7 +8,8 @@ through it too. Protocol, one JSON line each way: ``{"ready"}`` once its imports
 for each request ``{"argv", "cwd", "env", "log"}`` the answers ``{"pid"}`` (forked) and
 ``{"pid", "code"}`` (the child's exit status). The child is ``nanhunt ARGV`` as
 ``python -m nanhunt`` run in ``cwd`` would be, with its stdout and stderr in ``log`` (or apart,
-in ``stdout`` and ``stderr``; with ``session``, in a process group of its own). The server
+in ``stdout`` and ``stderr``; with ``session``, in a process group of its own; with
+``python``, ``python ARGV`` instead, a plain script, for the tests' references). The server
 ignores Ctrl-C (the child, in the same process group, gets it and writes its report).
 """
 
@@ -42,13 +43,23 @@ def _child(request: dict) -> int:
     os.dup2(devnull, 0)
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
-    # as ``python -m nanhunt`` from that folder would have them
-    sys.argv = [str(Path(__file__).resolve().parents[1] / "__main__.py"), *request["argv"]]
-    if sys.path:
-        sys.path[0] = os.getcwd()
+    if request.get("python"):  # a plain script, as ``python SCRIPT ARGS`` runs it
+        script = os.path.abspath(request["argv"][0])
+        sys.argv = list(request["argv"])
+        if sys.path:
+            sys.path[0] = os.path.dirname(script)
+    else:  # as ``python -m nanhunt`` from that folder would have them
+        sys.argv = [str(Path(__file__).resolve().parents[1] / "__main__.py"), *request["argv"]]
+        if sys.path:
+            sys.path[0] = os.getcwd()
     from nanhunt.cli.main import main
 
     try:
+        if request.get("python"):
+            import runpy
+
+            runpy.run_path(script, run_name="__main__")
+            return 0
         return main(request["argv"])
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1

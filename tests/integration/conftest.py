@@ -41,7 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from clirun import MODULE, cli_env, close_fork_servers, run_nanhunt
+from clirun import MODULE, cli_env, run_nanhunt
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -255,7 +255,6 @@ def pytest_sessionfinish(session):
     if _CLI is not None:
         _CLI.close()
         _CLI = None
-    close_fork_servers()
 
 
 @pytest.fixture

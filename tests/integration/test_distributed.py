@@ -354,8 +354,11 @@ def _report(path: Path) -> dict:
     return json.loads((path / "report.json").read_text())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher", [_torchrun, _nanhunt], ids=["torchrun", "nproc-per-node"])
+# one torchrun job of each kind stays in the default suite (DDP here, FSDP2 below); the rest of
+# the multi-process tests run with `-m slow`
+@pytest.mark.parametrize("launcher", [
+    pytest.param(_torchrun, id="torchrun"),
+    pytest.param(_nanhunt, id="nproc-per-node", marks=pytest.mark.slow)])
 def test_a_nan_in_rank_1s_batch_names_rank_1(launcher, tmp_path):
     proc = _run(
         launcher(
@@ -460,8 +463,7 @@ def test_a_killed_rank_is_named_as_not_answering(tmp_path):
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_fsdp2_mixed_precision_overflow_on_one_rank_names_the_layer_and_rank(tmp_path, dtype):
     """FSDP2 with MixedPrecisionPolicy(param_dtype=...): statistics on the local shards (no
     DTensor op) reduced across the ranks (against torch's full_tensor() in the script), module

@@ -138,7 +138,8 @@ def test_a_noisy_stationary_loss_rarely_diverges():
     happen to exceed every loss before them: for 12 exchangeable draws that is the chance that
     the largest 12-k are the last ones, summed over where the run starts (k >= 3), about 1%.
     "1.5x the lowest of the first three" fired on about a fifth of them. The same draws with the
-    level tripled from step 8 are a divergence from step 8."""
+    level tripled from step 8 are a divergence from step 8, and a plateau at 50x the early loss
+    after a spike higher still is one too."""
     rng = np.random.default_rng(0)
     chance = sum(math.factorial(k) * math.factorial(12 - k) / math.factorial(12)
                  for k in range(3, 8))
@@ -152,6 +153,10 @@ def test_a_noisy_stationary_loss_rarely_diverges():
     risen = [(i, 3.0 + 0.01 * i if i >= 8 else 1.0 + 0.01 * (i % 2)) for i in range(14)]
     d = curves.divergence(risen)
     assert d is not None and d.onset == 8 and d.steps == 6
+    # an lr far too high: one early spike above the plateau the loss then stays on
+    spiked = list(enumerate([0.7, 0.69, 543.0, 35.0, 60.0, 160.0, 90.0, 40.0, 100.0, 80.0]))
+    d = curves.divergence(spiked)
+    assert d is not None and d.onset == 3 and d.steps == 7
 
 
 def test_the_whole_model_moving_at_once_is_the_learning_rate():

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from clirun import run_python
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -25,7 +24,6 @@ def test_api_example_prints_what_it_promises(tmp_path, index):
     expected = [m.group(1).strip() for m in re.finditer(r"print\(.*\)\s+# (.*)", block)]
     script = tmp_path / "example.py"
     script.write_text(block)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120)
+    out = run_python(script, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines() == expected

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from clirun import run_nanhunt
 
 from nanhunt.formats import get_format
 from nanhunt.trace import LayerStats, LayerStep, RunInfo, StepRecord, TensorStats, Trace
@@ -108,19 +109,15 @@ def test_unwritable_logdir_is_one_line(tmp_path):
 def test_cli_report_tensorboard_matches_the_report(tmp_path):
     """`nanhunt report OUT --tensorboard LOGDIR` on a real diagnose run (GradScaler, fp16)."""
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
     example = Path(__file__).resolve().parents[2] / "examples" / "scale_collapse.py"
     out, tb = tmp_path / "out", tmp_path / "tb"
-    subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--keep-going",
-                    "--out", str(out), str(example), "--steps", "4"],
-                   capture_output=True, text=True, timeout=300, check=False)
+    run_nanhunt(["diagnose", "--quiet", "--verify", "0", "--keep-going", "--out", str(out),
+                 str(example),
+                 "--steps", "4"], tmp_path, timeout=300)
     report = json.loads((out / "report.json").read_text())
-    proc = subprocess.run([sys.executable, "-m", "nanhunt", "report", str(out),
-                           "--tensorboard", str(tb)], capture_output=True, text=True,
-                          timeout=120)
+    proc = run_nanhunt(["report", str(out), "--tensorboard", str(tb)], tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "TensorBoard points" in proc.stderr
     acc = EventAccumulator(str(tb), size_guidance={"scalars": 0, "histograms": 0})

@@ -32,6 +32,8 @@ SPIKE_Z = 6.0
 #: divergence: above this many times the early loss for the last DIVERGE_STEPS steps or more
 DIVERGE_RATIO = 1.5
 DIVERGE_STEPS = 5
+#: a loss this many times its early value for DIVERGE_STEPS steps diverged, whatever spiked before
+DIVERGE_FAR = 10.0
 #: a series "moved" once it is this many times its value at its first recorded step
 MOVED = 4.0
 #: an update that changes the weights' norm by more than this in one step is out of proportion;
@@ -126,21 +128,22 @@ class Divergence:
 
 def divergence(points: list[tuple[int, float]]) -> Divergence | None:
     """The loss above DIVERGE_RATIO x its early value (the median of its first three) and above
-    every loss before, for the last DIVERGE_STEPS steps or more, up to the last one recorded:
-    the curve left the range it had and stayed out. The range before is the noise floor: a noisy
-    curve (small random batches) whose early losses happen to be small does not diverge by
-    coming back to its usual level."""
+    every loss before it (or, whatever came before, above DIVERGE_FAR x the early value), for the
+    last DIVERGE_STEPS steps or more, up to the last one recorded: the curve left the range it
+    had and stayed out. The range before is the noise floor: a noisy curve (small random batches)
+    whose early losses happen to be small does not diverge by coming back to its usual level;
+    an early spike above the plateau a run then diverges to does not hide the divergence."""
     if len(points) < 3 + DIVERGE_STEPS:
         return None
     values = [v for _, v in points]
     early = statistics.median(values[:3])
     if early <= 0:
         return None
-    best = None  # the longest final run above everything before it
+    best = None  # the longest final run above the range before it
     low = math.inf  # the smallest loss of the final run from k on
     for k in range(len(values) - 1, 2, -1):
         low = min(low, values[k])
-        band = max(DIVERGE_RATIO * early, max(values[:k]))
+        band = max(DIVERGE_RATIO * early, min(max(values[:k]), DIVERGE_FAR * early))
         if low > band:
             best = (k, band)
     if best is None or len(values) - best[0] < DIVERGE_STEPS:
@@ -478,8 +481,8 @@ def logit_growth(trace: Trace, ctx: Context) -> Iterator[Finding]:
 @rule(id="loss-divergence", kind="lr_too_high", needs=("loss",))
 def loss_divergence(trace: Trace, ctx: Context) -> Iterator[Finding]:
     """The loss stayed above 1.5x its early value (the median of its first three) and above
-    every loss before for the last five steps or more, with every value finite: the run diverged
-    without a NaN."""
+    every loss before (or above 10x the early value) for the last five steps or more, with every
+    value finite: the run diverged without a NaN."""
     if ctx.failure is not None:
         return
     pts = losses(trace)

@@ -1,5 +1,6 @@
-"""``python -m nanhunt`` for the tests, through nanhunt's fork server (see conftest.py's
-docstring): importable by the test modules of this folder (``from clirun import run_nanhunt``)."""
+"""``python -m nanhunt`` for the tests, through nanhunt's fork server (see
+tests/integration/conftest.py's docstring): importable by every test module (``from clirun
+import run_nanhunt``: pytest puts tests/ on sys.path for tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["FORK", "MODULE", "cli_env", "close_fork_servers", "interruptible", "run_nanhunt"]
+__all__ = ["FORK", "MODULE", "cli_env", "close_fork_servers", "interruptible", "run_nanhunt",
+           "run_python"]
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -42,11 +44,11 @@ class _ForkServer:
             raise RuntimeError("the fork server did not start")
 
     def run(self, args: Sequence[str], cwd: Path, env: dict[str, str],
-            timeout: float) -> subprocess.CompletedProcess:
+            timeout: float, python: bool = False) -> subprocess.CompletedProcess:
         self.count += 1
         out, err = self.tmp / f"{self.count}.out", self.tmp / f"{self.count}.err"
         request = {"argv": list(args), "cwd": str(cwd), "env": env, "stdout": str(out),
-                   "stderr": str(err), "session": True}
+                   "stderr": str(err), "session": True, "python": python}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         pid = int(json.loads(self.proc.stdout.readline())["pid"])
@@ -62,7 +64,7 @@ class _ForkServer:
         stdout, stderr = (f.read_text(errors="replace") for f in (out, err))
         out.unlink()
         err.unlink()
-        cmd = [*MODULE, *args]
+        cmd = [sys.executable, *args] if python else [*MODULE, *args]
         if timed_out:
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
         return subprocess.CompletedProcess(cmd, code, stdout, stderr)
@@ -82,27 +84,43 @@ _all_servers: list[_ForkServer] = []
 _servers_lock = threading.Lock()
 
 
+def _server() -> _ForkServer:
+    server = getattr(_servers, "server", None)
+    if server is None or server.proc.poll() is not None:
+        server = _servers.server = _ForkServer()
+        with _servers_lock:
+            _all_servers.append(server)
+    return server
+
+
 def run_nanhunt(args: Sequence[str | Path], cwd: Path, *, env: dict[str, str] | None = None,
                 timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m nanhunt ARGS`` in ``cwd`` with ``env`` (default :func:`cli_env`), its output
     captured as text: through this thread's fork server (see the module docstring), else as a
     fresh process."""
-    args = [str(a) for a in args]
+    return _run([str(a) for a in args], cwd, env, timeout, python=False)
+
+
+def run_python(*argv: str | Path, cwd: Path, env: dict[str, str] | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` (a plain script: a reference run, a documented example) in
+    ``cwd``, through this thread's fork server, else as a fresh process."""
+    return _run([str(a) for a in argv], cwd, env, timeout, python=True)
+
+
+def _run(args: list[str], cwd: Path, env: dict[str, str] | None, timeout: float, *,
+         python: bool) -> subprocess.CompletedProcess:
     env = env if env is not None else cli_env()
     if FORK:
-        server = getattr(_servers, "server", None)
-        if server is None or server.proc.poll() is not None:
-            server = _servers.server = _ForkServer()
-            with _servers_lock:
-                _all_servers.append(server)
         try:
-            return server.run(args, cwd, env, timeout)
+            return _server().run(args, cwd, env, timeout, python=python)
         except subprocess.TimeoutExpired:
             raise
         except (RuntimeError, OSError, ValueError):  # the server is gone: a fresh process
             _servers.server = None
-    return subprocess.run([*MODULE, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    cmd = [sys.executable, *args] if python else [*MODULE, *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
 def close_fork_servers() -> None:
