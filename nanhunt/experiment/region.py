@@ -19,8 +19,12 @@ ran. From the model's children down:
   the whole module tree is tried once; if it fails too, no module region removes the failure
   (float32 everywhere also turns GradScaler off and covers code outside the modules).
 
-Each level costs two re-runs (one when the first half trains and ``--jobs`` is 1), so the search
-is about 2 log2(modules) re-runs deep, capped at :data:`MAX_RUNS`.
+Before the bisection, the module where the first non-finite value was observed (the locator's
+fact, not a rule's reading) is tried alone: where it is the region, one re-run finds it (a
+container that trains is then bisected inside; a move tries its siblings; a failure starts the
+bisection from the top). Each level costs two re-runs (one when the first half trains and
+``--jobs`` is 1), so the search is about 2 log2(modules) re-runs deep, capped at
+:data:`MAX_RUNS`.
 """
 
 from __future__ import annotations
@@ -121,17 +125,31 @@ class Bisection:
     steps: list[Step] = field(default_factory=list)
     done: bool = False
     stopped: str = ""  # why the search ended early (the cap, the budget)
+    started: bool = True  # the bisection from the top has begun (not while probing the origin)
     _pending: list[Step] = field(default_factory=list)
 
     @classmethod
     def of(cls, trace: Trace) -> Bisection:
         tree = Tree(trace)
         b = cls(tree, keep=bool(trace.run.autocast), units=list(tree.top))
+        origin = trace.first_failure.module if trace.first_failure is not None else ""
         if not b.units:
             b.done = True
-        elif len(b.units) == 1:
-            b._pending = [Step(list(b.units), "whole tree")]
+        elif origin and origin in tree.names:
+            # the module where the first non-finite value was observed (the locator's fact, no
+            # rule's reading) is tried alone first: where it is the region, one re-run finds it
+            b.started = False
+            b._pending = [Step([origin], "origin")]
+        else:
+            b._start()
         return b
+
+    def _start(self) -> None:
+        """Begin the bisection from the model's children."""
+        self.started = True
+        self.units = list(self.tree.top)
+        if len(self.units) == 1:
+            self._pending = [Step(list(self.units), "whole tree")]
 
     @property
     def runs(self) -> int:
@@ -167,6 +185,11 @@ class Bisection:
             if won.why == "whole tree" and any(s.why == "half" for s in self.steps):
                 self.done = True  # its halves failed already: nothing narrower at this level
                 return
+            if won.patterns[0] in self.tree.roots:  # the model itself: bisect its children
+                self.started, self.units = True, list(self.tree.top)
+                if len(self.units) == 1:
+                    self._narrow(self.units)
+                return
             self._narrow(won.patterns)
             return
         if any(s.outcome == "not run" for s in tried):
@@ -174,12 +197,15 @@ class Bisection:
             return
         why = tried[0].why if tried else ""
         moved = next((s for s in tried if s.outcome == "moved"), None)
-        if moved is not None and why == "half":
+        if moved is not None and why in ("half", "origin"):
             siblings = list(dict.fromkeys(module_pattern(p) for p in moved.patterns))
             if self.tree.matches(siblings) > self.tree.matches(moved.patterns) and \
                     not self._covers(siblings):
                 self._pending = [Step(siblings, "siblings")]
                 return
+        if not self.started:  # the origin (and its siblings) alone is not enough
+            self._start()
+            return
         if self.region is None and why == "half" and len(self.units) > 1 and \
                 not any(s.why == "whole tree" for s in self.steps):
             self._pending = [Step(list(self.units), "whole tree")]

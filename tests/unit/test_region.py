@@ -120,3 +120,47 @@ def test_the_search_is_capped():
     b = Bisection.of(_trace(names))
     _search(b, lambda p: "trained" if "layers.4095" in p else "recurred")
     assert b.runs <= MAX_RUNS
+
+
+def _with_origin(names: list[str], origin: str) -> Trace:
+    from nanhunt.trace import Failure, TensorStats
+
+    t = _trace(names, losses=("criterion",))
+    t.first_failure = Failure(step=3, phase="forward", module=origin, tensor="output",
+                              stats=TensorStats(dtype="float16", shape=[4], numel=4, posinf=1))
+    return t
+
+
+def test_the_module_where_the_failure_was_seen_is_tried_alone_first():
+    culprit = "blocks.5.ffn.wo"
+    b = Bisection.of(_with_origin(_transformer(8), culprit))
+    tried = _search(b, lambda p: "trained" if _covered(culprit, p) else "recurred")
+    assert tried == [[culprit]] and b.region == [culprit]
+
+
+def test_an_origin_that_moves_the_failure_tries_its_siblings_then_the_bisection():
+    def oracle(p):
+        one, zero = _covered("blocks.1.ffn.wo", p), _covered("blocks.0.ffn.wo", p)
+        return "trained" if one and zero else "moved" if one else "recurred"
+
+    b = Bisection.of(_with_origin(_transformer(2), "blocks.1.ffn.wo"))
+    tried = _search(b, oracle)
+    assert tried[:2] == [["blocks.1.ffn.wo"], ["blocks.*.ffn.wo"]]
+    assert b.region == ["blocks.*.ffn.wo"] and len(tried) == 2
+
+
+def test_an_origin_that_is_not_the_cause_falls_back_to_the_bisection():
+    # the NaN is seen in the head, made upstream in blocks.1's attention
+    culprit = "blocks.1.attn.qkv"
+    b = Bisection.of(_with_origin(_transformer(4), "head"))
+    tried = _search(b, lambda p: "trained" if _covered(culprit, p) else "recurred")
+    assert tried[0] == ["head"] and b.region == [culprit]
+
+
+def test_an_op_in_the_models_own_forward_keeps_the_model():
+    # q @ k^T in the root's forward: only the model as a whole in float32 trains
+    names = ["q", "k", "head", "model", "criterion"]
+    b = Bisection.of(_with_origin(names, "model"))
+    tried = _search(b, lambda p: "trained" if "model" in p else "recurred")
+    assert tried[0] == ["model"] and b.region == ["model"]
+    assert "model" not in b.tree.top  # its children are bisected, none trains alone
