@@ -73,8 +73,8 @@ class Tree:
         tops = [n for n in self.names if self.parent[n] is None]
         # the root: the last top-level module to end that is no loss and has no module named
         # under it (its children are named without it), after another top-level module
-        plain = [n for n in tops if not is_loss_type(types.get(n, "")) and
-                 not any(m.startswith(n + ".") for m in self.names)]
+        above = {".".join(n.split(".")[:k]) for n in self.names for k in range(1, n.count(".") + 1)}
+        plain = [n for n in tops if not is_loss_type(types.get(n, "")) and n not in above]
         self.roots = {plain[-1]} if len(plain) > 1 else set()
         self.top = sorted((n for n in tops if n not in self.roots), key=self._key)
 
