@@ -35,7 +35,8 @@ from nanhunt.trace import Experiment, Experiments, Finding, Trace
 
 __all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "contradiction", "failure_step",
            "first_rungs", "horizon", "loss_gap", "measured_clip", "measured_init_scale",
-           "next_rungs", "outcome", "silent_candidate", "silent_verdict", "uses_low_precision"]
+           "next_rungs", "outcome", "same_problem", "silent_candidate", "silent_verdict",
+           "uses_low_precision"]
 
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
@@ -243,7 +244,7 @@ def outcome(e: Experiment, original: Trace, rerun: Trace | None, *, exit_code: i
         e.outcome = "diverged"
         e.detail = f"the loss blew up: {max(finite):.3g}, {max(finite) / finite[0]:.0f}x its " \
             f"first value {finite[0]:.3g}"
-    elif rerun.problem and _same_problem(original, rerun):
+    elif rerun.problem and same_problem(original, rerun):
         # the original's symptom (a failure with no non-finite value) came back
         what = rerun.diagnosis.kind.replace("_", " ") if rerun.diagnosis else "a problem"
         e.outcome = "recurred" if e.rung == "control" else "diverged"
@@ -268,7 +269,7 @@ def outcome(e: Experiment, original: Trace, rerun: Trace | None, *, exit_code: i
     return e
 
 
-def _same_problem(original: Trace, rerun: Trace) -> bool:
+def same_problem(original: Trace, rerun: Trace) -> bool:
     """Whether a re-run with no failure has the original's problem (same diagnosis kind), or
     any problem when the original had no diagnosis."""
     if original.diagnosis is None or rerun.diagnosis is None:

@@ -74,7 +74,10 @@ class Tree:
         # the root: the last top-level module to end that is no loss and has no module named
         # under it (its children are named without it), after another top-level module
         above = {".".join(n.split(".")[:k]) for n in self.names for k in range(1, n.count(".") + 1)}
-        plain = [n for n in tops if not is_loss_type(types.get(n, "")) and n not in above]
+        # (named by its variable: no dot; a step that failed before its containers returned
+        # recorded none, and then there is no root)
+        plain = [n for n in tops if not is_loss_type(types.get(n, "")) and n not in above
+                 and "." not in n]
         self.roots = {plain[-1]} if len(plain) > 1 else set()
         self.top = sorted((n for n in tops if n not in self.roots), key=self._key)
 

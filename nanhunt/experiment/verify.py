@@ -40,6 +40,7 @@ from nanhunt.experiment.ladder import (
     loss_gap,
     next_rungs,
     outcome,
+    same_problem,
     silent_candidate,
     silent_verdict,
 )
@@ -131,7 +132,9 @@ def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code:
         t.reason = f"the loss blew up: {max(finite):.3g}, {max(finite) / finite[0]:.0f}x its " \
             f"first value {finite[0]:.3g}"
         return t
-    if rerun.problem:
+    if rerun.problem and same_problem(original, rerun):
+        # the original's own problem came back (another finding in a run that trained is said,
+        # as in the experiments' outcomes, not held against the fix)
         what = rerun.diagnosis.message if rerun.diagnosis else "a problem"
         t.reason = f"the re-run still has a problem: {what}"
         return t
@@ -145,11 +148,14 @@ def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code:
         return t
     t.verified = True
     calib = [i for i in t.skipped if i < applied[0]]
+    other = (f" (its own diagnosis, not the original problem: "
+             f"{rerun.diagnosis.kind.replace('_', ' ')})" if rerun.problem and rerun.diagnosis
+             else "")
     t.reason = (f"{t.steps} steps, loss {_loss_span(t.losses)}, all finite; "
                 + (f"{len(t.skipped)} skipped step{'s' if len(t.skipped) != 1 else ''} "
                    f"({'GradScaler calibration' if calib else 'isolated'})"
                    if t.skipped else "no skipped step")
-                + (f"; scale {t.scale_first:g} -> {t.scale_last:g}" if scales else ""))
+                + (f"; scale {t.scale_first:g} -> {t.scale_last:g}" if scales else "") + other)
     return t
 
 

@@ -391,3 +391,16 @@ def test_a_run_that_skipped_steps_caps_the_measured_scale_at_one_that_applied_a_
     for s in t.steps:
         s.skipped = True  # none applied: below the smallest scale tried
     assert measured_init_scale(t) == 2.0 ** 7
+
+
+def test_a_fix_is_not_held_to_another_finding_of_the_rules_in_its_rerun():
+    # as the experiments' outcomes: only the original's own problem coming back fails a fix
+    t = _original(kind="overflow")
+    other = _rerun([2.0 - 0.01 * i for i in range(24)])
+    other.problem = True
+    other.diagnosis = Finding(rule="w", kind="lr_too_high", severity="error", message="warm-up")
+    r = judge(t, other, 24, exit_code=1)
+    assert r.verified and "(its own diagnosis, not the original problem: lr too high)" in r.reason
+    other.diagnosis = Finding(rule="r", kind="overflow", severity="error", message="again")
+    r = judge(t, other, 24, exit_code=1)
+    assert not r.verified and r.reason == "the re-run still has a problem: again"
