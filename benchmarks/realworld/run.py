@@ -12,7 +12,7 @@ through its own options, under plain ``python`` (the reference) and under nanhun
   sample     nanhunt diagnose --sample-every 3 --verify 0
   audit      nanhunt audit (healthy only)
   fix        nanhunt diagnose --fix SPEC --verify 0 (failure only)
-  verify     nanhunt diagnose --verify 2 (failure only: the re-runs must not crash)
+  verify     nanhunt diagnose --verify 2 --jobs 1 (failure only: the re-runs must not crash)
 
 and checks: exit codes; stdout and stderr identical to the plain run apart from nanhunt's own
 lines (a prefix of it when nanhunt stopped the script at the failure); output files
@@ -25,7 +25,7 @@ The scripts' sources are not part of this repository: see README.md for where th
 and how to put them in ``sources/``. Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/realworld/run.py [--only NAME ...] [--modes M ...]
-        [--fast] [--json results.json] [--work DIR]
+        [--variants healthy|failure ...] [--fast] [--json results.json] [--work DIR]
 """
 
 from __future__ import annotations
