@@ -79,7 +79,7 @@ def test_the_init_scale_from_the_gradients_exponents_removes_the_calibration_ski
     trace = Trace.from_dict(res.report)
     scale = measured_init_scale(trace)
     assert scale is not None and math.log2(scale).is_integer() and scale < 2.0 ** 16
-    steps = 6  # growth_interval is 4: the first 4 steps show the calibration
+    steps = 4  # growth_interval is 4: the first 4 steps show the calibration
     unfixed = _field(res.stdout.splitlines(), "scale")[:steps]
     fixed_lines = run_script(SUM, ["--steps", str(steps)], fixes=[f"init-scale={number(scale)}"])
     fixed = _field(fixed_lines, "scale")
