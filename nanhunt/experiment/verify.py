@@ -553,9 +553,9 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         tasks_made.append(task)
         return task
 
-    def reuse(rec: Recommendation, fixes: list[str], ran: tuple) -> bool:
+    def reused(fixes: list[str], ran: tuple) -> FixTry:
         """A fix an experiment rung installed already (lr-factor=0.1, clip=...): judged from
-        that re-run, not run twice. True when it is the first verified."""
+        that re-run, not run twice."""
         e, rerun, code, tail = ran
         result = judge(trace, rerun, steps, exit_code=code, output_tail=tail)
         if e.outcome == "stopped":
@@ -563,6 +563,11 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         _conditions(result, e, ex)
         result.fixes, result.report = list(fixes), e.report
         result.reason += f" (the {e.rung} experiment's re-run)"
+        return result
+
+    def reuse(rec: Recommendation, fixes: list[str], ran: tuple) -> bool:
+        """Record a rung's re-run as a try of ``rec``; True when it is the first verified."""
+        result = reused(fixes, ran)
         rec.tries.append(result)
         if result.verified and not any(w.data.get("source") != "bisection" for w in winner):
             winner.append(rec)
@@ -604,20 +609,26 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                     candidates = [r for r in candidates if cure_rank(r) < cure_rank(region)]
             else:
                 pool.run(rungs, not_run)
+            # candidates in order of cure: a fix a rung already ran is read again, free; the
+            # first of those that trained ends the list, but the likelier cures queued before
+            # it still run first and win if they train (a warm-up before "lr x0.1")
             fixes: list[_Task] = []
-            found = False
+            again: list[tuple[Recommendation, list[str], tuple]] = []
             for rec in candidates:
+                found = False
                 for rung in ladder(rec, trace):
                     if " ".join(rung) in reruns:  # a rung ran this fix already: read it again
-                        found = reuse(rec, rung, reruns[" ".join(rung)])
+                        again.append((rec, rung, reruns[" ".join(rung)]))
+                        found = reused(rung, again[-1][2]).verified
                     elif len(fixes) < cfg.tries:
                         fixes.append(fix_task(rec, rung))
                     if found:
                         break
                 if found:
                     break
-            if not found:
-                pool.run(fixes, not_run)
+            pool.run(fixes, not_run)
+            for rec, rung, ran in again:
+                reuse(rec, rung, ran)
     except KeyboardInterrupt:
         v.interrupted = ex.interrupted = True
         v.note = "re-run verification was interrupted (Ctrl-C); what it found so far is kept"

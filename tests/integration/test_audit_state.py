@@ -11,13 +11,11 @@ import copy
 import json
 import random
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from clirun import run_nanhunt
+from clirun import run_nanhunt, run_python
 from torch import nn
 
 import nanhunt
@@ -29,8 +27,7 @@ SCRIPT = ROOT / "examples" / "audit" / "stateful_modules.py"
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("stateful")
-    plain = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True,
-                           text=True, timeout=300)
+    plain = run_python(SCRIPT, cwd=ROOT, timeout=300)  # one thread, as the audit's
     audited = run_nanhunt(["audit", "--quiet", "--out", str(out), str(SCRIPT)], ROOT,
                           timeout=300)
     return plain, audited, json.loads((out / "report.json").read_text())

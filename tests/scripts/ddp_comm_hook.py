@@ -6,6 +6,7 @@ Under plain ``python`` (no torchrun) it trains as one rank: the compression stil
 
 import argparse
 import os
+import sys
 import tempfile
 
 import torch
@@ -43,7 +44,9 @@ def main():
             # 65504; finite in float32, the loss itself unchanged
             loss.backward(torch.tensor(2e6) if step == 2 else None)
             opt.step()
-            print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+            # one write per line (under PYTHONUNBUFFERED print() writes the newline apart)
+            sys.stdout.write(f"rank {rank} step {step} loss {loss.item()!r}\n")
+            sys.stdout.flush()
     finally:
         dist.destroy_process_group()
 

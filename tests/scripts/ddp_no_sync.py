@@ -9,6 +9,7 @@ Rank R's first micro-batch of step S holds a NaN (--nan-rank -1: none). Prints
 
 import argparse
 import contextlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,9 @@ def main():
                     loss = F.cross_entropy(model(x), y) / args.micro
                     loss.backward()
             opt.step()
-            print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+            # one write per line (under PYTHONUNBUFFERED print() writes the newline apart)
+            sys.stdout.write(f"rank {rank} step {step} loss {loss.item()!r}\n")
+            sys.stdout.flush()
     finally:
         dist.destroy_process_group()
 

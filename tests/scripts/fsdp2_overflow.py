@@ -10,6 +10,7 @@ output overflows (the layer before it, ``0``, and every other rank stay finite).
 """
 
 import argparse
+import sys
 
 import torch
 import torch.distributed as dist
@@ -58,8 +59,11 @@ def main():
                 [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
             amax0 = max(p.grad.full_tensor().abs().max().item() for p in model[0].parameters())
             opt.step()
-            print(f"rank {rank} step {step} loss {loss.item()!r} gnorm {gnorm.item()!r} "
-                  f"amax0 {amax0!r}", flush=True)
+            # one write per line: under PYTHONUNBUFFERED print() writes the text and its
+            # newline apart, and the two ranks' lines would interleave on the shared pipe
+            sys.stdout.write(f"rank {rank} step {step} loss {loss.item()!r} gnorm "
+                             f"{gnorm.item()!r} amax0 {amax0!r}\n")
+            sys.stdout.flush()
     finally:
         dist.destroy_process_group()
 

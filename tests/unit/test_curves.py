@@ -156,7 +156,14 @@ def test_a_noisy_stationary_loss_rarely_diverges():
     # an lr far too high: one early spike above the plateau the loss then stays on
     spiked = list(enumerate([0.7, 0.69, 543.0, 35.0, 60.0, 160.0, 90.0, 40.0, 100.0, 80.0]))
     d = curves.divergence(spiked)
-    assert d is not None and d.onset == 3 and d.steps == 7
+    assert d is not None and d.onset == 2 and d.steps == 8  # never back under 10x 0.7
+    # a run that left at its first update: the median of the first three had already diverged
+    left = list(enumerate([0.70, 53.0, 544.0, 165.0, 35.0, 409.0, 196.0, 54.0, 160.0, 46.0]))
+    d = curves.divergence(left)
+    assert d is not None and (d.onset, d.early) == (1, 0.70)
+    # ... and one that only came back to ten times its first loss did not stay out
+    back = list(enumerate([0.70, 53.0, 544.0, 165.0, 35.0, 6.0, 196.0, 54.0, 160.0, 46.0, 50.0]))
+    assert curves.divergence(back).onset == 6
 
 
 def test_the_whole_model_moving_at_once_is_the_learning_rate():

@@ -119,7 +119,7 @@ def spikes(points: list[tuple[int, float]]) -> list[Spike]:
 @dataclass
 class Divergence:
     onset: int  # the first step of the final run above the early loss
-    early: float  # the median of the first three losses
+    early: float  # the median of the first three losses, or the first where it is lower
     last: float
     peak: tuple[int, float]
     steps: int  # steps above
@@ -127,23 +127,32 @@ class Divergence:
 
 
 def divergence(points: list[tuple[int, float]]) -> Divergence | None:
-    """The loss above DIVERGE_RATIO x its early value (the median of its first three) and above
+    """The loss above DIVERGE_RATIO x its early value (the median of its first three, or the
+    first loss, the one no update changed, where that is lower) and above
     every loss before it (or, whatever came before, above DIVERGE_FAR x the early value), for the
     last DIVERGE_STEPS steps or more, up to the last one recorded: the curve left the range it
     had and stayed out. The range before is the noise floor: a noisy curve (small random batches)
     whose early losses happen to be small does not diverge by coming back to its usual level;
-    an early spike above the plateau a run then diverges to does not hide the divergence."""
+    an early spike above the plateau a run then diverges to does not hide the divergence. A run
+    that starts within the first three steps must stay above DIVERGE_FAR x the early value."""
     if len(points) < 3 + DIVERGE_STEPS:
         return None
     values = [v for _, v in points]
     early = statistics.median(values[:3])
+    if values[0] > 0:
+        # the first loss is the one no update touched: a run that left at the first step
+        # must not have its early value taken from losses that already diverged
+        early = min(early, values[0])
     if early <= 0:
         return None
     best = None  # the longest final run above the range before it
     low = math.inf  # the smallest loss of the final run from k on
-    for k in range(len(values) - 1, 2, -1):
+    for k in range(len(values) - 1, 0, -1):
         low = min(low, values[k])
-        band = max(DIVERGE_RATIO * early, min(max(values[:k]), DIVERGE_FAR * early))
+        if k < 3:  # too few losses before to know their noise: only a far departure counts
+            band = DIVERGE_FAR * early
+        else:
+            band = max(DIVERGE_RATIO * early, min(max(values[:k]), DIVERGE_FAR * early))
         if low > band:
             best = (k, band)
     if best is None or len(values) - best[0] < DIVERGE_STEPS:
