@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -49,6 +50,8 @@ SCRIPTS = ROOT / "tests" / "scripts"
 
 #: CLI runs at once in the shared pool: two keep a two-core CI machine busy alongside this process
 JOBS = int(os.environ.get("NANHUNT_TEST_JOBS", "2"))
+#: a file to append each pool run's wall seconds and command to (unset: none)
+TIMES = os.environ.get("NANHUNT_TEST_TIMES")
 
 
 def _launchers() -> list[list[str]]:
@@ -126,24 +129,28 @@ class CliRuns:
         path.mkdir()
         return path
 
-    def _task(self, fn: Callable[[Path], object]) -> object:
+    def _task(self, fn: Callable[[Path], object], key: tuple) -> object:
         with self._gate:
             while self._paused:
                 self._gate.wait()
             self._running += 1
+        start = time.monotonic()
         try:
             return fn(self._folder())
         finally:
             with self._gate:
                 self._running -= 1
                 self._gate.notify_all()
+            if TIMES:  # where the pool's time goes: its runs are in no test's --durations
+                with open(TIMES, "a") as f:
+                    f.write(f"{time.monotonic() - start:.2f}\t{' '.join(map(str, key))}\n")
 
     def call(self, key: tuple, fn: Callable[[Path], object]) -> Future:
         """``fn(fresh folder)`` once per ``key`` in the pool; the future of its result."""
         with self._lock:
             fut = self._done.get(key)
             if fut is None:
-                fut = self._done[key] = self._pool.submit(self._task, fn)
+                fut = self._done[key] = self._pool.submit(self._task, fn, key)
         return fut
 
     @contextlib.contextmanager
