@@ -21,10 +21,12 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
+from typing import Any
 
-__all__ = ["serve"]
+__all__ = ["Zygote", "serve", "zygotes"]
 
 
 def _child(request: dict) -> int:
@@ -52,8 +54,10 @@ def _child(request: dict) -> int:
         sys.argv = [str(Path(__file__).resolve().parents[1] / "__main__.py"), *request["argv"]]
         if sys.path:
             sys.path[0] = os.getcwd()
+    from nanhunt.cli import main as cli_main
     from nanhunt.cli.main import main
 
+    cli_main._STARTED = time.monotonic()  # this run's clock, not the server's
     try:
         if request.get("python"):
             import runpy
@@ -71,18 +75,22 @@ def _child(request: dict) -> int:
         sys.stderr.flush()
 
 
-def serve() -> None:
+#: what every re-run would import again; the first optimizer imports torch._dynamo
+_PRELOAD = ("torch", "torch._dynamo", "nanhunt.cli.main", "nanhunt.experiment.fixes",
+            "nanhunt.pipeline", "nanhunt.experiment.sandbox")
+
+
+def serve(inp: Any = None, out: Any = None) -> None:
+    """Answer requests from ``inp`` (default stdin) on ``out`` (default stdout) until EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # what every re-run would import again; the first optimizer imports torch._dynamo
-    for name in ("torch", "torch._dynamo", "nanhunt.cli.main", "nanhunt.experiment.fixes",
-                 "nanhunt.pipeline",
-                 "nanhunt.experiment.sandbox"):
+    for name in _PRELOAD:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
-    out = sys.stdout
+    inp = inp if inp is not None else sys.stdin
+    out = out if out is not None else sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
-    for line in sys.stdin:
+    for line in inp:
         request = json.loads(line)
         out.flush()
         pid = os.fork()
@@ -97,6 +105,92 @@ def serve() -> None:
         _, status = os.waitpid(pid, 0)
         out.write(json.dumps({"pid": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n")
         out.flush()
+
+
+# ----------------------------------------------------------------------------- zygotes
+
+
+class Zygote:
+    """A fork server forked from ``nanhunt diagnose`` itself before the user's script starts
+    (torch and nanhunt already imported, nothing of the script's yet), so that re-run
+    verification pays no Python start and no torch import: the subset of ``subprocess.Popen``
+    that re-run verification uses (``stdin``, ``stdout``, ``poll``, ``wait``, ``kill``). It
+    reads requests from a pipe and ends when the pipe closes (``nanhunt`` exited or
+    :meth:`close`)."""
+
+    def __init__(self) -> None:
+        req_r, req_w = os.pipe()
+        ans_r, ans_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the zygote: nothing of the parent's but the imports and these pipes
+            code = 0
+            try:
+                os.close(req_w)
+                os.close(ans_r)
+                devnull = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(devnull, fd)
+                keep = {0, 1, 2, req_r, ans_w}
+                for name in os.listdir("/proc/self/fd"):  # a terminal, the caller's pipes
+                    if name.isdigit() and int(name) not in keep:
+                        with contextlib.suppress(OSError):
+                            os.close(int(name))
+                serve(os.fdopen(req_r, "r"), os.fdopen(ans_w, "w"))
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(req_r)
+        os.close(ans_w)
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdin = os.fdopen(req_w, "w", buffering=1)
+        self.stdout = os.fdopen(ans_r, "r")
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.poll() is None:
+            if time.monotonic() > end:
+                import subprocess
+
+                raise subprocess.TimeoutExpired("zygote", timeout or 0)
+            time.sleep(0.01)
+        return int(self.returncode or 0)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        for f in (self.stdin, self.stdout):
+            with contextlib.suppress(OSError):
+                f.close()
+        try:
+            self.wait(timeout=5)
+        except Exception:
+            self.kill()
+            self.wait()
+
+
+def zygotes(n: int) -> list[Zygote]:
+    """``n`` zygotes, or none where forking a process that imported torch is not safe (only
+    Linux forks here; elsewhere each slot starts ``python -m nanhunt.cli.forkserver``)."""
+    if not sys.platform.startswith("linux") or n < 1:
+        return []
+    made = []
+    with contextlib.suppress(OSError):
+        for _ in range(n):
+            made.append(Zygote())
+    return made
 
 
 if __name__ == "__main__":

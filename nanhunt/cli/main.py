@@ -163,6 +163,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     from nanhunt.experiment.fixes import FixMismatch, RunFixes
 
     ctx = RankContext.from_env(out_dir)
+    zygotes = _zygotes(opts, ctx)
     live = LiveLine(enabled=not opts.quiet and ctx.rank == 0)
     fixes = RunFixes(opts.fix)
     failed_at: list[float] = []
@@ -243,7 +244,8 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
         script=target.script, module=target.module, args=list(target.args), cwd=os.getcwd(),
         env=dict(os.environ), tries=opts.verify, max_steps=opts.max_steps,
         options=_rerun_options(opts), quiet=opts.quiet, jobs=opts.jobs, budget=opts.budget,
-        script_seconds=round(failed_at[0] if failed_at else time.monotonic() - _STARTED, 2))
+        script_seconds=round(failed_at[0] if failed_at else time.monotonic() - _STARTED, 2),
+        servers=zygotes)
     try:
         trace = analyse_and_report(
             hunt,
@@ -258,6 +260,8 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
             amend=fixes.amend if fixes.notes else None,
         )
     finally:
+        for zygote in zygotes:  # the ones verification did not take
+            zygote.close()
         if old_term is not None and ctx.distributed:
             signal.signal(signal.SIGTERM, old_term)
     code = _exit_code(trace, outcome, opts.strict)
@@ -265,6 +269,26 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
             getattr(hunt, "internal_errors", None):
         code = EXIT_INTERNAL  # nothing found, but nanhunt stopped tracing: not a clean bill
     return ctx.exit_code(code, trace)
+
+
+def _zygotes(opts: argparse.Namespace, ctx: Any) -> list[Any]:
+    """Fork servers for re-run verification, forked now, before the script starts: torch and
+    nanhunt are imported and nothing of the script's exists yet, so each re-run is a fork of
+    this state instead of a fresh Python that imports torch again (:mod:`.forkserver`). None
+    for a multi-process run (no experiment runs there), with --verify 0, or off the main
+    thread."""
+    if opts.verify <= 0 or ctx.world_size > 1 or ctx.distributed or not _main_thread() or \
+            os.environ.get("NANHUNT_RERUN"):
+        return []
+    import importlib
+
+    from nanhunt.cli import forkserver
+    from nanhunt.experiment.verify import default_jobs
+
+    for name in forkserver._PRELOAD:  # imported once, here, rather than in every zygote
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    return forkserver.zygotes(opts.jobs or default_jobs())
 
 
 def _ran_to_end(outcome: Any) -> bool:

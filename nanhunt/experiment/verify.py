@@ -81,6 +81,9 @@ class RerunConfig:
     quiet: bool = False
     jobs: int | None = None  # --jobs: re-runs at once (None: the cores, at most 4)
     budget: float | None = None  # --budget SECONDS for all re-runs (None: BUDGET_FACTOR x)
+    #: fork servers made before the script started (nanhunt.cli.forkserver.Zygote), taken
+    #: one per slot; a slot without one starts ``python -m nanhunt.cli.forkserver``
+    servers: list[Any] = field(default_factory=list)
 
 
 def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code: int,
@@ -230,6 +233,11 @@ class _Server:
     def __init__(self, cfg: RerunConfig) -> None:
         self.proc: subprocess.Popen | None = None
         self.startup = 0.0  # its imports, paid once (the original run paid them too)
+        while cfg.servers:  # forked before the script started: its imports already paid
+            self.proc = cfg.servers.pop(0)
+            if self.proc.poll() is None and self.proc.stdout.readline():
+                return
+            self.close()
         if hasattr(os, "fork"):
             t0 = time.monotonic()
             self.proc = subprocess.Popen(
