@@ -66,10 +66,19 @@ def _child(request: dict) -> int:
             return 0
         return main(request["argv"])
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 1
+        if exc.code is None:
+            return 0
+        if not isinstance(exc.code, int):  # sys.exit("message"): printed, status 1
+            print(exc.code, file=sys.stderr)
+            return 1
+        return exc.code
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return 130
     except BaseException:
         traceback.print_exc()
-        return 3
+        # a plain script's uncaught exception exits 1, as python's does; nanhunt's own is 3
+        return 1 if request.get("python") else 3
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -42,7 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from clirun import MODULE, cli_env, run_nanhunt
+from clirun import MODULE, cli_env, run_nanhunt, run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -217,8 +217,8 @@ class CliRuns:
         full = (sys.executable, *(str(a) for a in argv))
 
         def run(cwd: Path) -> subprocess.CompletedProcess:
-            return subprocess.run(full, cwd=cwd, capture_output=True, text=True,
-                                  timeout=timeout, env=cli_env())
+            # through this thread's fork server, as python runs it (no torch import per run)
+            return run_python(*full[1:], cwd=cwd, timeout=timeout)
 
         return self.call(("python", full), run)
 
