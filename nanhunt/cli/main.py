@@ -274,7 +274,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
 def _zygotes(opts: argparse.Namespace, ctx: Any) -> list[Any]:
     """Fork servers for re-run verification, forked now, before the script starts: torch and
     nanhunt are imported and nothing of the script's exists yet, so each re-run is a fork of
-    this state instead of a fresh Python that imports torch again (:mod:`.forkserver`). None
+    this state instead of a fresh Python that imports torch again (:mod:`.serving`). None
     for a multi-process run (no experiment runs there), with --verify 0, or off the main
     thread."""
     if opts.verify <= 0 or ctx.world_size > 1 or ctx.distributed or not _main_thread() or \
@@ -282,13 +282,21 @@ def _zygotes(opts: argparse.Namespace, ctx: Any) -> list[Any]:
         return []
     import importlib
 
-    from nanhunt.cli import forkserver
+    from nanhunt.cli import serving
     from nanhunt.experiment.verify import default_jobs
 
-    for name in forkserver._PRELOAD:  # imported once, here, rather than in every zygote
+    for name in serving._PRELOAD:  # imported once, here, rather than in every zygote
         with contextlib.suppress(Exception):
             importlib.import_module(name)
-    return forkserver.zygotes(opts.jobs or default_jobs())
+    return serving.zygotes(opts.jobs or default_jobs(), rerun)
+
+
+def rerun(argv: list[str]) -> int:
+    """:func:`main` in a child of a fork server: its clock starts now, not at the server's
+    import."""
+    global _STARTED
+    _STARTED = time.monotonic()
+    return main(argv)
 
 
 def _ran_to_end(outcome: Any) -> bool:

@@ -81,7 +81,7 @@ class RerunConfig:
     quiet: bool = False
     jobs: int | None = None  # --jobs: re-runs at once (None: the cores, at most 4)
     budget: float | None = None  # --budget SECONDS for all re-runs (None: BUDGET_FACTOR x)
-    #: fork servers made before the script started (nanhunt.cli.forkserver.Zygote), taken
+    #: fork servers made before the script started (nanhunt.cli.serving.Zygote), taken
     #: one per slot; a slot without one starts ``python -m nanhunt.cli.forkserver``
     servers: list[Any] = field(default_factory=list)
 

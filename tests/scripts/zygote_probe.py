@@ -1,4 +1,4 @@
-"""The zygotes of nanhunt.cli.forkserver, driven as re-run verification drives them: prints
+"""The zygotes of nanhunt.cli.serving, driven as re-run verification drives them: prints
 what a test checks (each line "name json")."""
 
 import json
@@ -6,11 +6,12 @@ import os
 import select
 import sys
 
-from nanhunt.cli.forkserver import zygotes
+from nanhunt.cli.main import rerun
+from nanhunt.cli.serving import zygotes
 
 tmp = sys.argv[1]
 r, w = os.pipe()  # a descriptor of the caller's (a terminal, a test harness's pipe)
-z1, z2 = zygotes(2)
+z1, z2 = zygotes(2, rerun)
 os.close(w)
 # the zygotes keep nothing of their parent's: with our copy closed, the read end is at EOF
 ready, _, _ = select.select([r], [], [], 60)
