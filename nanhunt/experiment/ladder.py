@@ -124,7 +124,9 @@ def measured_init_scale(trace: Trace) -> float | None:
     headroom, the most mass normal). A step GradScaler skipped left its overflowing gradients out
     of the histogram (they were inf), so where the run skipped steps the choice is capped at the
     largest scale at which the run applied a step (its gradients' top exponent fitted float16
-    there), or below the smallest scale tried when it applied none. None where no gradient
+    there) below every scale at which it skipped one (batches differ: one that fitted at a scale
+    another overflowed at is no guarantee), or below the smallest scale tried when it applied
+    none. None where no gradient
     histogram was recorded, or where the run's own first scale is that value already."""
     fmt = get_format(trace.run.target)
     hist = dict(trace.grad_hist.get(fmt.name) or {})
@@ -140,10 +142,15 @@ def measured_init_scale(trace: Trace) -> float | None:
     current = scales[0] if scales else None
     k = choose_init_scale(hist, fmt, current).k
     if any(s.skipped for s in steps) and scales:
+        # below every scale a step was skipped at: another batch overflowed where one fitted
+        # (a step whose loss was already non-finite overflowed at any scale: it says nothing)
+        skipped = min((s.scale for s in steps if s.skipped and s.scale is not None and
+                       math.isfinite(s.scale) and s.scale > 0 and s.loss is not None and
+                       math.isfinite(s.loss)), default=math.inf)
         applied = [s.scale for s in steps if not s.skipped and s.scale is not None and
-                   math.isfinite(s.scale) and s.scale > 0]
+                   math.isfinite(s.scale) and 0 < s.scale < skipped]
         k = min(k, math.floor(math.log2(max(applied))) if applied else
-                math.floor(math.log2(min(scales))) - 1)
+                math.floor(math.log2(min(scales + [skipped]))) - 1)
     if current is not None and k == round(math.log2(current)):
         return None
     return 2.0 ** k

@@ -271,6 +271,20 @@ def test_the_measured_init_scale_comes_from_the_gradients_exponents():
     assert measured_init_scale(t) is None
 
 
+def test_the_measured_init_scale_stays_below_every_scale_a_finite_step_skipped_at():
+    # calibration from 2^16 down to 2^9, where two batches fitted and a third did not
+    t = _original(3)
+    scales = [2.0 ** 16, 2.0 ** 12, 2.0 ** 10, 2.0 ** 9, 2.0 ** 9, 2.0 ** 9]
+    fitted = [False, False, False, True, True, False]
+    t.steps = [StepRecord(index=i, loss=3e3, scale=sc, skipped=not ok)
+               for i, (sc, ok) in enumerate(zip(scales, fitted))]
+    t.grad_hist = {"float16": {-20: 10}}  # tiny unscaled gradients: alone they would allow 2^16
+    assert measured_init_scale(t) == 2.0 ** 8  # 2^9 applied twice, but another batch overflowed
+    # a step whose loss was already NaN overflowed at any scale: it does not lower the cap
+    t.steps[5].loss = math.nan
+    assert measured_init_scale(t) == 2.0 ** 9
+
+
 def test_the_rungs_carry_the_measured_values():
     t = _original(4)
     t.optimizers = [OptimizerInfo(type="SGD")]
