@@ -150,7 +150,7 @@ def measured_init_scale(trace: Trace) -> float | None:
         applied = [s.scale for s in steps if not s.skipped and s.scale is not None and
                    math.isfinite(s.scale) and 0 < s.scale < skipped]
         k = min(k, math.floor(math.log2(max(applied))) if applied else
-                math.floor(math.log2(min(scales + [skipped]))) - 1)
+                math.floor(math.log2(min([*scales, skipped]))) - 1)
     if current is not None and k == round(math.log2(current)):
         return None
     return 2.0 ** k
