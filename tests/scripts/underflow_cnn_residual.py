@@ -2,8 +2,8 @@
 GradScaler its fp16 output gradients flush to zero and the model never learns.
 
 Autocast fp16, fp32 parameters, no GradScaler (``--scaler``: healthy control; ``--fp32``: float32
-reference).  The residual (target) has std ~2e-4 in raw units and the last conv is initialised
-small, so the error is ~2e-4 and d(mse)/d(output) = 2 * error / (16 * 1 * 32 * 32) ~ 2.4e-8 in
+reference).  The residual (target) has std ~5e-5 in raw units and the last conv is initialised
+small, so the error is ~5e-5 and d(mse)/d(output) = 2 * error / (16 * 1 * 16 * 16) ~ 2.4e-8 in
 float32: cast to fp16 at the output of "decoder.2" (the last conv, fp16 under autocast) most of
 it is below fp16's smallest subnormal (5.96e-8) and becomes exactly 0; the rest is subnormal.
 Expected: no non-finite value; every step, phase backward, module "decoder.2" (first in backward
@@ -45,8 +45,8 @@ def main():
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu") if args.scaler else None
     for step in range(args.steps):
-        clean = torch.rand(16, 1, 32, 32)
-        noise = 2e-4 * torch.randn_like(clean)  # raw sensor units
+        clean = torch.rand(16, 1, 16, 16)  # small: float16 convolutions are slow on CPU
+        noise = 5e-5 * torch.randn_like(clean)  # raw sensor units
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16, enabled=not args.fp32):
             loss = F.mse_loss(model(clean + noise), noise)
