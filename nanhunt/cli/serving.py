@@ -76,15 +76,28 @@ def _child(request: dict, run: Run) -> int:
             return 1
         return exc.code
     except KeyboardInterrupt:
-        traceback.print_exc()
+        _print_exception(request)
         return 130
     except BaseException:
-        traceback.print_exc()
+        _print_exception(request)
         # a plain script's uncaught exception exits 1, as python's does; nanhunt's own is 3
         return 1 if request.get("python") else 3
     finally:
+        if request.get("python"):  # as python exits: the script's atexit functions run
+            import atexit
+
+            with contextlib.suppress(BaseException):
+                atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+def _print_exception(request: dict) -> None:
+    if request.get("python"):  # through the script's own sys.excepthook, as python does
+        with contextlib.suppress(BaseException):
+            sys.excepthook(*sys.exc_info())
+            return
+    traceback.print_exc()
 
 
 #: what every re-run would import again; the first optimizer imports torch._dynamo

@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from clirun import run_python
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 BLOCKS = list(re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S))
@@ -25,8 +25,7 @@ def test_the_doc_has_one_example_each():
 def _run(cwd: Path, index: int) -> tuple[Path, subprocess.CompletedProcess]:
     script = cwd / "example.py"
     script.write_text(BLOCKS[index])
-    return cwd, subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                               timeout=300, cwd=cwd)
+    return cwd, run_python(script, cwd=cwd, timeout=300)  # as python runs it, forked
 
 
 def prefetch(cli) -> dict:

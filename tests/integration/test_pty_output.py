@@ -129,19 +129,25 @@ def _on_pipe(cwd: Path, model: str, ours: bool) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=dict(ENV), capture_output=True, timeout=240)
 
 
-def prefetch(cli) -> dict:
+#: the MLP in the default suite; the recurrent model (a second architecture through the same
+#: output path, four more Python starts) with ``-m slow``
+DEFAULT = ("mlp",)
+
+
+def prefetch(cli, models=DEFAULT) -> dict:
     """Per model, the script under nanhunt and under plain python, at a terminal and on a pipe,
     in the session's shared pool (tests/integration/conftest.py; started when collection
     ends), each in a fresh folder: they mostly sleep between steps, so they overlap well."""
     return {(model, where, ours): cli.call(("pty-output", model, where, ours),
                                            lambda cwd, m=model, w=where, o=ours:
                                            (_in_pty if w == "pty" else _on_pipe)(cwd, m, o))
-            for model in sorted(MODELS) for where in ("pty", "pipe") for ours in (True, False)}
+            for model in models for where in ("pty", "pipe") for ours in (True, False)}
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=[
+    pytest.param(m, marks=() if m in DEFAULT else pytest.mark.slow) for m in sorted(MODELS)])
 def runs(request, cli):
-    futures = prefetch(cli)
+    futures = prefetch(cli, (request.param,))
     return {(where, ours): futures[request.param, where, ours].result()
             for where in ("pty", "pipe") for ours in (True, False)}
 

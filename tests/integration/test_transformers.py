@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from clirun import run_nanhunt
+from clirun import run_nanhunt, run_python
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -113,8 +113,8 @@ def _cli_diagnose(cwd: Path) -> subprocess.CompletedProcess:
 def _crash(cwd: Path) -> subprocess.CompletedProcess:
     script = cwd / "crash.py"
     script.write_text(CRASH)
-    return subprocess.run([sys.executable, str(script), str(cwd)], capture_output=True,
-                          text=True, timeout=300)
+    # as python runs it (forked: its exit runs the atexit functions that write the report)
+    return run_python(script, str(cwd), cwd=cwd, timeout=300)
 
 
 def prefetch(cli) -> dict:

@@ -3,36 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from clirun import run_python
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
 
 
 def test_overhead_quick_writes_every_variant(tmp_path):
     out = tmp_path / "overhead.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--quick",
-            "--models",
-            "mlp",
-            "--precisions",
-            "fp32",
-            "--steps",
-            "2",
-            "--repeats",
-            "1",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = run_python(SCRIPT, "--quick", "--models", "mlp", "--precisions", "fp32", "--steps",
+                      "2", "--repeats", "1", "--json", str(out), cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     assert doc["schema_version"] == 1
