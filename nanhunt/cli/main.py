@@ -168,7 +168,11 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     fixes = RunFixes(opts.fix)
     failed_at: list[float] = []
 
+    locate = _Locate.from_env()  # a control re-run: its failing step watched op by op
+
     def on_step(rec: Any, hunt: Any) -> None:
+        if locate is not None:
+            locate.on_step(rec.index)
         live.update(rec, hunt)
         # an optimizer fix on a loop without an optimizer is refused at its first step
         fixes.on_step(rec, trained=getattr(getattr(hunt, "cur", None), "did_backward", True))
@@ -193,10 +197,14 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     outcome = None
     hunt.start()
     try:
+        if locate is not None:
+            locate.on_step(-1)
         # workers the script starts itself (torch.multiprocessing) run under sessions of their own
         with live, patch_spawn(opts, out_dir, run, ctx, fixes):
             outcome = run_target(target, (StopRun, _Terminated, FixMismatch))
     finally:
+        if locate is not None:
+            locate.finish(out_dir)
         ctrl_c.install(raising=False)
         if old_term is not None and ctx.distributed:
             # torchrun sends SIGTERM to every worker once one fails: finish the report first
@@ -269,6 +277,55 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
             getattr(hunt, "internal_errors", None):
         code = EXIT_INTERNAL  # nothing found, but nanhunt stopped tracing: not a clean bill
     return ctx.exit_code(code, trace)
+
+
+class _Locate:
+    """In a control re-run (``NANHUNT_LOCATE_STEP=N``, set by re-run verification): the
+    script's ops of step N watched live (:class:`nanhunt.replay.ops.StepLocator`), from the end
+    of step N-1 (or the start) to the end of step N or of the run; what it found goes to
+    ``located.json`` beside the re-run's report. For failures outside every module (a loss
+    written by hand), the op and the line nanhunt's module replays cannot name."""
+
+    def __init__(self, step: int) -> None:
+        from nanhunt.replay.ops import StepLocator
+
+        self.step = step
+        self.mode = StepLocator(step)
+        self.active = self.done = False
+
+    @classmethod
+    def from_env(cls) -> _Locate | None:
+        value = os.environ.get("NANHUNT_LOCATE_STEP")
+        if os.environ.get("NANHUNT_RERUN") != "1" or not value or not value.isdigit():
+            return None
+        return cls(int(value))
+
+    def on_step(self, ended: int) -> None:
+        """Step ``ended`` is over (-1: the script is about to start)."""
+        if ended == self.step - 1 and not (self.active or self.done):
+            with contextlib.suppress(Exception):
+                self.mode.__enter__()
+                self.active = True
+        elif ended >= self.step:
+            self._leave()
+
+    def _leave(self) -> None:
+        if self.active:
+            from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+            if _get_current_dispatch_mode() is self.mode:  # never another mode of the script's
+                with contextlib.suppress(Exception):
+                    self.mode.__exit__(None, None, None)
+            self.active, self.done = False, True
+
+    def finish(self, out_dir: Path) -> None:
+        self._leave()
+        found = self.mode.found()
+        if found is not None:
+            import json
+
+            with contextlib.suppress(OSError):
+                (out_dir / "located.json").write_text(json.dumps(found), encoding="utf-8")
 
 
 def _zygotes(opts: argparse.Namespace, ctx: Any) -> list[Any]:

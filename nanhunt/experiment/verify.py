@@ -324,6 +324,7 @@ class _Task:
     child: Any = None
     slot: int = -1
     deadline: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)  # more of the re-run's environment
 
 
 class _Pool:
@@ -365,7 +366,7 @@ class _Pool:
                                 if all(t.slot != i for t in running))
                     task.slot, task.started, task.deadline = slot, now, self.deadline
                     task.child = _start_child(self.cfg, self._server(slot), task.fixes,
-                                              task.out, self.steps)
+                                              task.out, self.steps, task.env)
                     running.append(task)
                 if stopped:
                     for task in queue:
@@ -413,9 +414,9 @@ class _Pool:
 
 
 def _start_child(cfg: RerunConfig, server: _Server | None, fixes: list[str], out: Path,
-                 steps: int) -> Any:
+                 steps: int, extra: dict[str, str] | None = None) -> Any:
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(cfg.env, NANHUNT_RERUN="1", WANDB_MODE="disabled",
+    env = dict(cfg.env, **(extra or {}), NANHUNT_RERUN="1", WANDB_MODE="disabled",
                NANHUNT_SCRATCH=str((out / "files").resolve()),
                NANHUNT_PROGRESS=str((out / "progress.txt").resolve()))
     log_path = out / "output.txt"
@@ -525,7 +526,12 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                          + f": {_OUTCOME_WORDS.get(e.outcome, e.outcome)}: {e.detail}")
             return False
 
-        return _Task(rung.name, list(rung.fixes), scratch / (folder or rung.name), done)
+        task = _Task(rung.name, list(rung.fixes), scratch / (folder or rung.name), done)
+        if rung.name == "control" and ex.failure_step is not None:
+            # the control's failing step watched op by op: the op and line of a failure
+            # outside every module (a hand-written loss), which no module replay can name
+            task.env["NANHUNT_LOCATE_STEP"] = str(ex.failure_step)
+        return task
 
     def fix_task(rec: Recommendation, fixes: list[str]) -> _Task:
         n = len([t for t in tasks_made if t.label.startswith("fix")]) + 1
@@ -587,6 +593,8 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
     try:
         pool.run([rung_task(r) for r in first_rungs(trace)], not_run)
         control_facts(ex, trace)
+        if ex.control_reproduced:
+            _adopt_located(trace, scratch / "control" / "located.json")
         control = [e for e in ex.runs if e.rung == "control"]
         if silent:
             finding = silent_verdict(ex, trace)
@@ -752,6 +760,34 @@ def _conditions(result: FixTry, e: Experiment, ex: Experiments) -> None:
     if result.verified:
         held = [k.replace("_", " ") for k in CONDITIONS if c.get(k)]
         result.reason += "; held: " + ", ".join(held)
+
+
+def _adopt_located(trace: Trace, path: Path) -> None:
+    """Where nanhunt named no op for the first failure (made outside every module, as in a
+    loss written by hand), the op the control re-run saw make it, watched op by op at that
+    step (``located.json``; :class:`nanhunt.replay.ops.StepLocator`), and the user's line."""
+    f = trace.first_failure
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if f is None or f.op or found.get("step") != f.step or not found.get("op"):
+        return
+    f.op = found["op"]
+    if found.get("source") and not f.source:
+        f.source, f.source_line = found["source"], found.get("source_line")
+    amax = found.get("input_amax")
+    said = (f"the control re-run, watched op by op at step {f.step}, names {found['op']} "
+            f"({found.get('phase')}, {found.get('dtype')})"
+            + (f" at {found['source']}" if found.get("source") else "")
+            + " as the first op to make a non-finite value from finite inputs"
+            + (f" (their largest magnitude {amax:.3g}" if isinstance(amax, (int, float)) else "")
+            + (f", {found['input_zeros']} exact zeros" if found.get("input_zeros") else "")
+            + (")" if isinstance(amax, (int, float)) else ""))
+    if trace.diagnosis is not None:
+        trace.diagnosis.evidence.append(said)
+    else:
+        trace.notes.append(said)
 
 
 def _finish(out: Path, v: Verification) -> None:

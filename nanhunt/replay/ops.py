@@ -4,6 +4,7 @@ value, with the user's source line that called it (or torch's optimizer line).""
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import math
 import sys
@@ -17,7 +18,7 @@ from nanhunt._paths import PACKAGE_DIR
 from nanhunt.capture._util import tensor_leaves
 from nanhunt.trace import OpRecord
 
-__all__ = ["OpRecorder", "OptimizerOpRecorder", "ReplayResult"]
+__all__ = ["OpRecorder", "OptimizerOpRecorder", "ReplayResult", "StepLocator"]
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _OUR_DIR = str(Path(PACKAGE_DIR).resolve())
@@ -183,3 +184,92 @@ class OptimizerOpRecorder(OpRecorder):
             rec.phase = "optimizer"
             rec.source = _optimizer_source()
         return out
+
+
+# ----------------------------------------------------------------------------- one step, live
+
+
+def _innermost_outside_torch(depth: int) -> str | None:
+    """The file of the innermost Python frame ``depth`` frames out or further that is not
+    torch's (None: none, an op the autograd engine ran from C++)."""
+    frame = sys._getframe(depth + 1)
+    while frame is not None:
+        fname = frame.f_code.co_filename
+        if not (fname.startswith(_TORCH_DIR) or fname.startswith("<")):
+            return fname
+        frame = frame.f_back
+    return None
+
+
+def _finite(tensors: list) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+class StepLocator(TorchDispatchMode):
+    """Watches the script's own ops, live, for one step (entered at its start, left at its end):
+    remembers the first op that made a non-finite value from finite floating inputs, with the
+    user's source line (in backward: the forward line that made the node, where anomaly mode
+    recorded one). Ops that nanhunt's own hooks run are not the script's and are passed by; a
+    ``-inf`` built by a mask op is the first only where nothing stronger follows in the step.
+    For re-runs (the control): it costs an isfinite per op input and output of that step."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+        self.first: dict | None = None
+        self.weak: dict | None = None  # a -inf from a mask-building op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.first is not None:
+            return out
+        with contextlib.suppress(Exception):  # never the script's problem
+            self._check(func, args, kwargs, out)
+        return out
+
+    def _check(self, func, args, kwargs, out) -> None:
+        leaves: list = []
+        tensor_leaves(out, "", leaves)
+        outs = [t for _, t in leaves if t.is_floating_point() and t.numel() > 0]
+        if not outs or _finite(outs):
+            return
+        where = _innermost_outside_torch(2)  # past _check and __torch_dispatch__
+        if where is not None and where.startswith(_OUR_DIR):
+            return  # nanhunt's own statistics of a value that was already non-finite
+        ins: list = []
+        tensor_leaves((args, kwargs or {}), "", ins)
+        inputs = [t for _, t in ins if t.is_floating_point() and t.numel() > 0]
+        if not _finite(inputs):
+            return  # it carried a non-finite value on: not where one was made
+        name = str(getattr(func, "overloadpacket", func))
+        strong = any(bool((torch.isnan(t) | (t == math.inf)).any()) for t in outs)
+        backward = torch._C._current_graph_task_id() != -1
+        source, line = _node_source() if backward else _user_source_from(2)
+        amax = max((float(t.detach().float().abs().amax()) for t in inputs), default=None)
+        found = {"step": self.step, "op": name, "phase": "backward" if backward else "forward",
+                 "dtype": str(outs[0].dtype).removeprefix("torch."), "source": source,
+                 "source_line": line, "input_amax": amax,
+                 "input_zeros": sum(int((t == 0).sum()) for t in inputs),
+                 "nonfinite": sum(int((~torch.isfinite(t)).sum()) for t in outs),
+                 "numel": sum(t.numel() for t in outs)}
+        if strong or name not in _MASK_OPS:
+            self.first = found
+        elif self.weak is None:
+            self.weak = found
+
+    def found(self) -> dict | None:
+        return self.first or self.weak
+
+
+def _user_source_from(depth: int) -> tuple[str | None, str | None]:
+    """As :func:`_user_source`, from further out (the locator's own frames skipped)."""
+    frame = sys._getframe(depth + 1)
+    while frame is not None:
+        fname = frame.f_code.co_filename
+        if fname.startswith(_OUR_DIR):
+            return None, None
+        if not (fname.startswith(_TORCH_DIR) or fname.startswith("<")):
+            return f"{fname}:{frame.f_lineno}", linecache.getline(fname, frame.f_lineno).strip() \
+                or None
+        frame = frame.f_back
+    return None, None

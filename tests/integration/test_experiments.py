@@ -28,6 +28,10 @@ def prefetch(cli) -> dict:
         "silent": cli.submit("diagnose", SCRIPTS / "silent_half_updates.py", verify=True),
         "healthy": cli.submit("diagnose", SCRIPTS / "precision_paths.py", "--steps", "24",
                               verify=True),
+        "loss-op": cli.submit("diagnose", "--quiet", SCRIPTS / "log_softmax_loss.py",
+                              verify=True),
+        "loss-op-unverified": cli.submit("diagnose", "--quiet", SCRIPTS / "log_softmax_loss.py"),
+        "loss-op-plain": cli.python(SCRIPTS / "log_softmax_loss.py"),
     }
 
 
@@ -165,3 +169,27 @@ def test_a_healthy_mixed_precision_run_is_compared_and_ok(runs):
     assert ex["verdict"] == "" and ex["verdict_text"].startswith("no silent precision loss")
     assert {e["rung"] for e in ex["runs"]} == {"control", "fp32"}
     assert res.report["diagnosis"] is None
+
+
+def test_the_control_names_the_op_and_line_of_a_failure_outside_every_module(runs):
+    """-log(softmax(x)) written in the loop, no module around it: the control re-run watches
+    the failing step op by op and names the op and the line; the hand count is the script's
+    own text (the one line that calls torch.log) and its losses under plain python (the first
+    inf)."""
+    script = SCRIPTS / "log_softmax_loss.py"
+    lines = script.read_text().splitlines()
+    (lineno,) = [i + 1 for i, text in enumerate(lines) if "torch.log(" in text]
+    res = runs["loss-op"].result()
+    assert res.code == 1, res.stderr
+    plain = runs["loss-op-plain"].result()
+    printed = [ln.split() for ln in plain.stdout.splitlines() if ln.startswith("step ")]
+    bad = next(int(w[1]) for w in printed if w[-1] in ("inf", "nan"))
+    f = res.report["first_failure"]
+    assert (f["step"], f["phase"], f["module"]) == (bad, "forward", "")
+    assert f["op"] == "aten.log"
+    assert f["source"] == f"{script}:{lineno}" and "torch.log(" in f["source_line"]
+    said = [e for e in res.report["diagnosis"]["evidence"] if "control re-run" in e]
+    assert said and "exact zeros" in said[0]  # softmax's float16 underflow, log's input
+    # without the re-runs nothing watched the step: no op is named
+    unverified = runs["loss-op-unverified"].result().report["first_failure"]
+    assert (unverified["step"], unverified["op"]) == (bad, None)
