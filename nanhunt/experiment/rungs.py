@@ -15,9 +15,9 @@ that a re-run with it says what kind of failure this is (DESIGN.md §9, docs/rul
 ``no-scaler``
     GradScaler made with ``enabled=False``.
 ``skip-batch=N``
-    at step N, every outermost module call (the model, a loss module) gets the floating-point
-    tensors it was called with at step N-1 instead of step N's: the batch is replaced by the
-    previous one; the loop and its labels are the script's.
+    at step N, every outermost module call (the model, a loss module) gets the tensors it was
+    called with at step N-1 instead of step N's (features, masks, token ids alike): the batch is
+    replaced by the previous one; the loop and its labels are the script's.
 
 Only calls made by the script are changed (not torch's own internals). :func:`install` enters
 the patches on an :class:`contextlib.ExitStack`; closing it restores every patched object.
@@ -237,9 +237,10 @@ class _SkipBatch:
                 return tuple(o if o is not None else a for o, a in zip(old, args))
             return None
         if step == self.step - 1 and key not in self.prev:
+            # every tensor: the features and what goes with them (a padding mask, token ids,
+            # lengths), or a batch half replaced still carries what failed
             self.prev[key] = tuple(
-                a.detach().clone() if isinstance(a, torch.Tensor) and a.is_floating_point()
-                else None for a in args)
+                a.detach().clone() if isinstance(a, torch.Tensor) else None for a in args)
         return None
 
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:

@@ -47,6 +47,52 @@ def test_skip_batch_gives_the_model_the_previous_input(style):
         losses(["--style", style, "--replace-input", "3"])
 
 
+MASKED = """
+import sys
+import torch
+from torch import nn
+
+class Pool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.score, self.head = nn.Linear(4, 1), nn.Linear(4, 2)
+    def forward(self, x, pad):  # attention pooling over a set, padding masked out
+        s = self.score(x).squeeze(-1).masked_fill(pad, float("-inf"))
+        return self.head((torch.softmax(s, dim=-1).unsqueeze(-1) * x).sum(1))
+
+replace = int(sys.argv[1]) if len(sys.argv) > 1 else -1
+model = Pool()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+batches = []
+for step in range(4):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(3, 5, 4, generator=g), torch.tensor([0, 1, 0])
+    pad = torch.arange(5)[None, :] >= torch.tensor([5, 2, 4])[:, None]
+    if step == 2:
+        pad[1] = True  # a set that is all padding: a softmax over -inf only is NaN
+    batches.append((x, pad))
+    if step == replace:  # the script's own path: the previous batch, the same labels
+        x, pad = batches[step - 1]
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x, pad), y)
+    loss.backward()
+    opt.step()
+    print(f"step {step} loss {loss.item()!r}")
+"""
+
+
+def test_skip_batch_replaces_every_tensor_of_the_batch_a_mask_too(tmp_path):
+    script = tmp_path / "masked.py"
+    script.write_text(MASKED)
+
+    def run(args, fixes=()):
+        return [float(line.split()[-1]) for line in run_script(script, args, fixes=fixes)]
+
+    assert run([])[2] != run([])[2]  # NaN: the fully padded set
+    # the boolean mask is replaced with the features: the step the script takes by hand
+    assert run([], fixes=["skip-batch=2"]) == run(["2"])
+
+
 def test_the_patches_are_gone_after_the_run():
     before = (torch.Tensor.half, torch.nn.Module.to, torch.amp.GradScaler.__init__,
               torch.amp.autocast_mode.autocast.__init__)
