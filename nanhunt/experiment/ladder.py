@@ -238,8 +238,16 @@ def outcome(e: Experiment, original: Trace, rerun: Trace | None, *, exit_code: i
     bad = next((s for s in steps if s.loss is not None and not math.isfinite(s.loss)), None)
     applied = [s.index for s in steps if not s.skipped]
     late = [i for i in e.skipped if applied and i > applied[0]]
-    finite = [abs(v) for v in e.losses if v is not None and math.isfinite(v)]
-    if bad is not None:
+    blown = blew_up(original, steps)
+    if e.rung == "control" and original.first_failure is None and rerun.problem and \
+            same_problem(original, rerun):
+        # the original's symptom (no non-finite value: a skip streak, a divergence) came back
+        # in the unchanged script: reproduced, whatever form it took
+        what = rerun.diagnosis.kind.replace("_", " ") if rerun.diagnosis else "a problem"
+        e.outcome = "recurred"
+        e.detail = f"the re-run has the same problem: {what}" + \
+            (f" ({rerun.diagnosis.message[:160]})" if rerun.diagnosis else "")
+    elif bad is not None:
         e.outcome, e.detail = "diverged", f"loss {bad.loss} at step {bad.index}"
     elif steps and not applied:
         e.outcome, e.detail = "diverged", f"GradScaler skipped all {len(steps)} steps"
@@ -247,10 +255,8 @@ def outcome(e: Experiment, original: Trace, rerun: Trace | None, *, exit_code: i
         e.outcome = "diverged"
         e.detail = f"a run of {max(_longest_run(late), len(e.skipped) - len(late))} " \
             "skipped steps"
-    elif finite and finite[0] > 0 and max(finite) > BLOWUP * finite[0]:
-        e.outcome = "diverged"
-        e.detail = f"the loss blew up: {max(finite):.3g}, {max(finite) / finite[0]:.0f}x its " \
-            f"first value {finite[0]:.3g}"
+    elif blown:
+        e.outcome, e.detail = "diverged", blown
     elif rerun.problem and same_problem(original, rerun):
         # the original's symptom (a failure with no non-finite value) came back
         what = rerun.diagnosis.kind.replace("_", " ") if rerun.diagnosis else "a problem"
@@ -274,6 +280,26 @@ def outcome(e: Experiment, original: Trace, rerun: Trace | None, *, exit_code: i
                                                                   else "")
                        if e.skipped else ""))
     return e
+
+
+def blew_up(original: Trace, steps: list) -> str | None:
+    """Why a re-run's loss blew up (BLOWUP x its base), or None. The base is its first loss, or,
+    where the original failed with a non-finite value, its loss at that step when higher: the
+    question is whether training goes on past the failure, and a loss that changed level there
+    with the data (inputs in new units) did not diverge."""
+    finite = [abs(s.loss) for s in steps if s.loss is not None and math.isfinite(s.loss)]
+    if not finite:
+        return None
+    base, since = finite[0], "its first value"
+    step = failure_step(original)
+    at = [abs(s.loss) for s in steps if step is not None and s.index == step and
+          s.loss is not None and math.isfinite(s.loss)]
+    if original.first_failure is not None and at and at[0] > base:
+        base, since = at[0], f"its value at step {step}"
+    if base > 0 and max(finite) > BLOWUP * base:
+        return f"the loss blew up: {max(finite):.3g}, {max(finite) / base:.0f}x {since} " \
+            f"{base:.3g}"
+    return None
 
 
 def same_problem(original: Trace, rerun: Trace) -> bool:

@@ -32,6 +32,7 @@ from typing import Any
 from nanhunt.analyse.remedies import cure_rank, ladder, set_fix, verify_order
 from nanhunt.experiment.ladder import (
     Rung,
+    blew_up,
     classify,
     control_facts,
     failure_step,
@@ -58,7 +59,6 @@ from nanhunt.trace import (
 
 __all__ = ["RerunConfig", "judge", "verify_by_rerun"]
 
-BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
 BUDGET_FACTOR = 12.0  # the default --budget: this many times the script's time to the failure
 BUDGET_MIN = 60.0  # ... and never less than this many seconds
@@ -130,10 +130,9 @@ def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code:
     if streak >= 2 or len([i for i in t.skipped if i < applied[0]]) > CALIBRATION_SKIPS:
         t.reason = f"a run of {max(streak, len(t.skipped))} skipped steps"
         return t
-    finite = [abs(v) for v in t.losses if v is not None]
-    if finite and finite[0] > 0 and max(finite) > BLOWUP * finite[0]:
-        t.reason = f"the loss blew up: {max(finite):.3g}, {max(finite) / finite[0]:.0f}x its " \
-            f"first value {finite[0]:.3g}"
+    blown = blew_up(original, steps)
+    if blown:
+        t.reason = blown
         return t
     if rerun.problem and same_problem(original, rerun):
         # the original's own problem came back (another finding in a run that trained is said,

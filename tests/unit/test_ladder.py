@@ -131,6 +131,37 @@ def test_a_control_with_other_losses_is_not_deterministic():
     assert ex.deterministic is False and ex.spread == pytest.approx(0.05)
 
 
+def test_a_loss_that_changes_level_at_the_failure_step_did_not_blow_up():
+    # inputs in new units from step 3, where float16 overflowed: float32 trains there at a new
+    # level (92 -> 5870), and only growth past that level is a divergence
+    t = _original(3)
+    level = [92.0, 91.0, 90.0, 5870.0, 5000.0, 3000.0] + [1000.0] * 18
+    fp32 = outcome(Experiment("fp32", target_steps=24), t, _rerun(level), exit_code=0)
+    assert fp32.outcome == "trained", fp32.detail
+    grows = outcome(Experiment("fp32", target_steps=24), t,
+                    _rerun(level[:5] + [6e4] + level[6:]), exit_code=0)
+    assert grows.outcome == "diverged" and "its value at step 3 5.87e+03" in grows.detail
+    # with no non-finite failure in the original, the base stays the first loss
+    t.first_failure = None
+    assert outcome(Experiment("fp32", target_steps=24), t, _rerun(level),
+                   exit_code=0).outcome == "diverged"
+
+
+def test_a_control_that_shows_the_originals_no_nan_problem_reproduced_it():
+    # a skip streak (no non-finite value anywhere): the control skips the same way
+    t = _original(3, kind="loss_scale")
+    t.first_failure = None
+    again = _rerun([1.0] * 24, skipped=tuple(range(15)))
+    again.problem = True
+    again.diagnosis = Finding(rule="skip-streak", kind="loss_scale", severity="error",
+                              message="15 skipped")
+    c = outcome(Experiment("control", target_steps=24), t, again, exit_code=1)
+    assert c.outcome == "recurred" and "same problem: loss scale" in c.detail
+    # any other rung showing the same streak has not removed it
+    assert outcome(Experiment("fp32", target_steps=24), t, again,
+                   exit_code=1).outcome == "diverged"
+
+
 def test_outcomes():
     t = _original()
     moved = outcome(Experiment("fp32", target_steps=24), t, _rerun([1.0] * 7, _failure(6)),
