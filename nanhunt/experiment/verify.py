@@ -627,6 +627,7 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
             # candidates in order of cure: a fix a rung already ran is read again, free; the
             # first of those that trained ends the list, but the likelier cures queued before
             # it still run first and win if they train (a warm-up before "lr x0.1")
+            _adopt_lr_rung(trace, ex)
             fixes: list[_Task] = []
             again: list[tuple[Recommendation, list[str], tuple]] = []
             for rec in candidates:
@@ -759,6 +760,32 @@ def _conditions(result: FixTry, e: Experiment, ex: Experiments) -> None:
     if result.verified:
         held = [k.replace("_", " ") for k in CONDITIONS if c.get(k)]
         result.reason += "; held: " + ", ".join(held)
+
+
+def _adopt_lr_rung(trace: Trace, ex: Experiments) -> None:
+    """A learning-rate recommendation takes the largest factor an lr rung trained with where
+    that is less drastic than the rule's estimate (which aims an update-to-weight ratio at
+    1e-3 and can ask for x1e-5 where x0.01 trains): the experiment measured it; the rung's
+    re-run then verifies it."""
+    trained = [e for e in ex.runs if e.rung.startswith("lr-") and e.outcome == "trained"
+               and e.fixes]
+    if not trained:
+        return
+    best = max(trained, key=lambda e: parse_fix(e.fixes[0]).value or 0.0)
+    factor = parse_fix(best.fixes[0]).value
+    if not factor:
+        return
+    for rec in trace.recommendations:
+        if rec.type == "lower_lr" and rec.fix and isinstance(rec.value, (int, float)) and \
+                rec.value < factor:
+            old = f"x{rec.value:g}"
+            # the estimate's own lines (its factor, the lr it led to) no longer hold
+            rec.evidence = [e for e in rec.evidence if not e.startswith(old) and
+                            not (e.startswith("lr ") and "->" in e)]
+            rec.evidence.append(f"lr x{factor:g}, the largest factor the experiments tried that "
+                                f"trained ({best.rung}), instead of the estimate {old} from the "
+                                "update-to-weight ratio")
+            set_fix(rec, trace, [parse_fix(best.fixes[0])])
 
 
 def _adopt_located(trace: Trace, path: Path) -> None:

@@ -17,7 +17,7 @@ from nanhunt.experiment.ladder import (
     next_rungs,
     outcome,
 )
-from nanhunt.experiment.verify import _conditions, judge
+from nanhunt.experiment.verify import _adopt_lr_rung, _conditions, judge
 from nanhunt.trace import (
     Experiment,
     Experiments,
@@ -25,6 +25,7 @@ from nanhunt.trace import (
     Finding,
     FixTry,
     OptimizerInfo,
+    Recommendation,
     RunInfo,
     StepRecord,
     TensorStats,
@@ -139,7 +140,7 @@ def test_a_loss_that_changes_level_at_the_failure_step_did_not_blow_up():
     fp32 = outcome(Experiment("fp32", target_steps=24), t, _rerun(level), exit_code=0)
     assert fp32.outcome == "trained", fp32.detail
     grows = outcome(Experiment("fp32", target_steps=24), t,
-                    _rerun(level[:5] + [6e4] + level[6:]), exit_code=0)
+                    _rerun([*level[:5], 6e4, *level[6:]]), exit_code=0)
     assert grows.outcome == "diverged" and "its value at step 3 5.87e+03" in grows.detail
     # with no non-finite failure in the original, the base stays the first loss
     t.first_failure = None
@@ -449,3 +450,22 @@ def test_a_fix_is_not_held_to_another_finding_of_the_rules_in_its_rerun():
     other.diagnosis = Finding(rule="r", kind="overflow", severity="error", message="again")
     r = judge(t, other, 24, exit_code=1)
     assert not r.verified and r.reason == "the re-run still has a problem: again"
+
+
+def test_the_lr_advice_takes_the_largest_factor_an_lr_rung_trained_with():
+    t = _original(17, kind="lr_too_high")
+    t.optimizers = [OptimizerInfo(type="SGD")]
+    rec = Recommendation(type="lower_lr", snippet="", value=1e-4, fix=["lr-factor=0.0001"],
+                         evidence=["x0.0001 brings the update to about 0.001 of the weights",
+                                   "lr 1.5 -> 0.00015", "param group SGD[0]: ..."])
+    t.recommendations = [rec]
+    ex = _ladder(t, _rung("fp32", "moved", step=4), _rung("lr-0.1", "diverged", "lr-factor=0.1"),
+                 _rung("lr-0.01", "trained", "lr-factor=0.01"))
+    _adopt_lr_rung(t, ex)
+    assert (rec.value, rec.fix) == (0.01, ["lr-factor=0.01"])  # the rung's re-run verifies it
+    assert rec.evidence[0] == "param group SGD[0]: ..." and "largest factor" in rec.evidence[-1]
+    # an estimate already gentler than anything that trained stays
+    rec2 = Recommendation(type="lower_lr", snippet="", value=0.5, fix=["lr-factor=0.5"])
+    t.recommendations = [rec2]
+    _adopt_lr_rung(t, ex)
+    assert (rec2.value, rec2.fix) == (0.5, ["lr-factor=0.5"])
