@@ -31,6 +31,7 @@ from nanhunt.report.files import atomic_write_text
 from nanhunt.trace import Failure, Finding, RunInfo, StepRecord, TensorStats, Trace
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 HARD_TIMEOUT = 120  # seconds: a hang fails the test instead of the CI job
 
 
@@ -354,25 +355,36 @@ def _report(path: Path) -> dict:
     return json.loads((path / "report.json").read_text())
 
 
+def _ddp_nan_batch(launcher) -> list[str]:
+    return launcher("--quiet", "--out", "out", str(EXAMPLES / "ddp_nan_batch.py"), "--nan-rank",
+                    "1", "--nan-step", "2")
+
+
+def _fsdp2(dtype: str) -> list[str]:
+    return _torchrun("--quiet", "--out", "out", str(SCRIPTS / "fsdp2_overflow.py"),
+                     "--param-dtype", dtype, "--plant")
+
+
+def prefetch(cli) -> dict:
+    """The default suite's two torchrun jobs, in the session's shared pool (tests/integration/
+    conftest.py), each in a fresh folder: their three processes run beside the in-process
+    tests instead of holding up this thread."""
+    return {"ddp": cli.call(("torchrun", "ddp-nan-batch"),
+                            lambda cwd: (cwd, _run(_ddp_nan_batch(_torchrun), cwd))),
+            "fsdp2-float16": cli.call(("torchrun", "fsdp2", "float16"),
+                                      lambda cwd: (cwd, _run(_fsdp2("float16"), cwd)))}
+
+
 # one torchrun job of each kind stays in the default suite (DDP here, FSDP2 below); the rest of
 # the multi-process tests run with `-m slow`
 @pytest.mark.parametrize("launcher", [
     pytest.param(_torchrun, id="torchrun"),
     pytest.param(_nanhunt, id="nproc-per-node", marks=pytest.mark.slow)])
-def test_a_nan_in_rank_1s_batch_names_rank_1(launcher, tmp_path):
-    proc = _run(
-        launcher(
-            "--quiet",
-            "--out",
-            "out",
-            str(EXAMPLES / "ddp_nan_batch.py"),
-            "--nan-rank",
-            "1",
-            "--nan-step",
-            "2",
-        ),
-        tmp_path,
-    )
+def test_a_nan_in_rank_1s_batch_names_rank_1(launcher, tmp_path, cli):
+    if launcher is _torchrun:
+        tmp_path, proc = prefetch(cli)["ddp"].result()
+    else:
+        proc = _run(_ddp_nan_batch(launcher), tmp_path)
     assert proc.returncode != 0
     if launcher is _nanhunt:
         assert proc.returncode == 1, proc.stderr
@@ -460,17 +472,19 @@ def test_a_killed_rank_is_named_as_not_answering(tmp_path):
     assert any(n.startswith("rank 1 did not answer") for n in report["notes"]), report["notes"]
 
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])
-def test_fsdp2_mixed_precision_overflow_on_one_rank_names_the_layer_and_rank(tmp_path, dtype):
+def test_fsdp2_mixed_precision_overflow_on_one_rank_names_the_layer_and_rank(tmp_path, dtype,
+                                                                            cli):
     """FSDP2 with MixedPrecisionPolicy(param_dtype=...): statistics on the local shards (no
     DTensor op) reduced across the ranks (against torch's full_tensor() in the script), module
     names as the user wrote them, the overflowing layer on rank 1, float32 advice as a change
     of the policy."""
-    proc = _run(_torchrun("--quiet", "--out", "out", str(SCRIPTS / "fsdp2_overflow.py"),
-                          "--param-dtype", dtype, "--plant"), tmp_path)
+    if dtype == "float16":
+        tmp_path, proc = prefetch(cli)["fsdp2-float16"].result()
+    else:
+        proc = _run(_fsdp2(dtype), tmp_path)
     assert "internal error" not in proc.stderr, proc.stderr
     report = _report(tmp_path / "out")
     ff = report["first_failure"]
