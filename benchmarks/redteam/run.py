@@ -2,10 +2,12 @@
 """Hold-out evaluation of nanhunt against the red-team scripts.
 
     python run.py [NANHUNT_SRC] [--set DIR] [--only GLOB] [--jobs N] [--timeout S] [--results FILE]
+        [--verify N]
 
 --set DIR picks the hold-out set: DIR/expected.json and DIR/scripts/ (default: this folder, the
 first red-team set; benchmarks/redteam2 is the second). Runs
-`python -m nanhunt diagnose --quiet --out <tmp> scripts/<script>` for every script in
+`python -m nanhunt diagnose --quiet --verify 0 --out <tmp> scripts/<script>` (``--verify N``
+with the option) for every script in
 expected.json with PYTHONPATH=NANHUNT_SRC (default: this checkout) and OMP_NUM_THREADS=1, reads
 <tmp>/report.json and compares it with expected.json:
 
@@ -53,13 +55,13 @@ def match(expected, got, field):
     return False
 
 
-def run_one(script, exp, src, timeout, reports, set_dir=HERE):
+def run_one(script, exp, src, timeout, reports, set_dir=HERE, verify=0):
     out = os.path.join(reports, os.path.splitext(script)[0])
     if os.path.isdir(out):
         shutil.rmtree(out)
     os.makedirs(out)
     env = dict(os.environ, PYTHONPATH=src, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--verify", "0", "--out", out,
+    cmd = [sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--verify", str(verify), "--out", out,
            os.path.join(set_dir, "scripts", script)]
     t0 = time.time()
     try:
@@ -90,6 +92,10 @@ def run_one(script, exp, src, timeout, reports, set_dir=HERE):
                     got.update(phase=dg.get("phase"), module=dg.get("module"), step=dg.get("step"))
                 text_blob += " " + (dg.get("message") or "") + " " + " ".join(dg.get("evidence") or [])
             got["recs"] = [(x.get("type"), bool(x.get("verified"))) for x in r.get("recommendations", [])]
+            ex = r.get("experiments") or {}
+            got["verdict"] = ex.get("verdict")  # with --verify N: the experiments' verdict
+            got["verified_fix"] = next((x.get("fix") for x in r.get("recommendations", [])
+                                        if x.get("verified")), None)
         except Exception as e:  # noqa: BLE001
             got["report_error"] = repr(e)
     checks = {"exit": got["exit"] == exp["exit"]}
@@ -123,6 +129,10 @@ def main():
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--results")
+    ap.add_argument("--verify", type=int, default=0,
+                    help="nanhunt diagnose --verify N (default 0: the rules' verdict alone, as "
+                         "the recorded scores; with N the report's experiments verdict and "
+                         "verified fix are recorded too)")
     a = ap.parse_args()
     set_dir = os.path.abspath(a.set_dir)
     if not os.path.isfile(os.path.join(set_dir, "expected.json")):
@@ -132,7 +142,7 @@ def main():
     label = os.path.basename(os.path.normpath(a.src))
     reports = os.path.join(set_dir, "results", "reports", label)
     with cf.ThreadPoolExecutor(a.jobs) as ex:
-        res = list(ex.map(lambda s: run_one(s, expected[s], a.src, a.timeout, reports, set_dir),
+        res = list(ex.map(lambda s: run_one(s, expected[s], a.src, a.timeout, reports, set_dir, a.verify),
                           scripts))
     rows = []
     hdr = ("script", "exp exit/phase/kind/module", "got exit/phase/kind/module", "result", "fix", "step")
