@@ -32,6 +32,7 @@ def prefetch(cli) -> dict:
                               verify=True),
         "loss-op-unverified": cli.submit("diagnose", "--quiet", SCRIPTS / "log_softmax_loss.py"),
         "loss-op-plain": cli.python(SCRIPTS / "log_softmax_loss.py"),
+        "healthy-plain": cli.python(SCRIPTS / "precision_paths.py", "--steps", "24"),
     }
 
 
@@ -169,6 +170,9 @@ def test_a_healthy_mixed_precision_run_is_compared_and_ok(runs):
     assert ex["verdict"] == "" and ex["verdict_text"].startswith("no silent precision loss")
     assert {e["rung"] for e in ex["runs"]} == {"control", "fp32"}
     assert res.report["diagnosis"] is None
+    # with re-runs on (fork servers forked from nanhunt before the script started, their
+    # modules imported first) the script's own output is python's, bit for bit
+    assert res.stdout == runs["healthy-plain"].result().stdout
 
 
 def test_the_control_names_the_op_and_line_of_a_failure_outside_every_module(runs):
