@@ -25,11 +25,12 @@ import json
 import os
 import signal
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from nanhunt._waiting import PollWait
 
 __all__ = ["Zygote", "serve", "zygotes"]
 
@@ -136,13 +137,15 @@ def serve(run: Run, inp: Any = None, out: Any = None) -> None:
 # ----------------------------------------------------------------------------- zygotes
 
 
-class Zygote:
+class Zygote(PollWait):
     """A fork server forked from ``nanhunt diagnose`` itself before the user's script starts
     (torch and nanhunt already imported, nothing of the script's yet), so that re-run
     verification pays no Python start and no torch import: the subset of ``subprocess.Popen``
     that re-run verification uses (``stdin``, ``stdout``, ``poll``, ``wait``, ``kill``). It
     reads requests from a pipe and ends when the pipe closes (``nanhunt`` exited or
     :meth:`close`)."""
+
+    what = "zygote"
 
     def __init__(self, run: Run) -> None:
         req_r, req_w = os.pipe()
@@ -180,16 +183,6 @@ class Zygote:
                 if pid:
                     self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        end = time.monotonic() + (timeout if timeout is not None else 1e9)
-        while self.poll() is None:
-            if time.monotonic() > end:
-                import subprocess
-
-                raise subprocess.TimeoutExpired("zygote", timeout or 0)
-            time.sleep(0.01)
-        return int(self.returncode or 0)
 
     def kill(self) -> None:
         if self.poll() is None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanhunt._waiting import PollWait
 from nanhunt.analyse.remedies import cure_rank, ladder, set_fix, verify_order
 from nanhunt.experiment.ladder import (
     Rung,
@@ -259,8 +260,10 @@ class _Server:
             self.proc = None
 
 
-class _Forked:
+class _Forked(PollWait):
     """A re-run forked by the server, with the subset of Popen that _run_child uses."""
+
+    what = "re-run"
 
     def __init__(self, server: subprocess.Popen, request: dict) -> None:
         self.server = server
@@ -283,14 +286,6 @@ class _Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-    def wait(self, timeout: float | None = None) -> int:
-        end = time.monotonic() + (timeout if timeout is not None else 1e9)
-        while self.poll() is None:
-            if time.monotonic() > end:
-                raise subprocess.TimeoutExpired("re-run", timeout or 0)
-            time.sleep(0.02)
-        return int(self.returncode or 0)
 
 
 def _stop(proc: Any) -> None:

@@ -18,8 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nanhunt"
 #: layer of each top-level module or folder of nanhunt; an import goes to a lower layer or stays
 #: inside its own folder (the top-level modules of one layer may not import each other either)
 LAYERS = {
-    "_version": 0, "_optional": 0, "_paths": 0, "_patching": 0, "errors": 0, "formats": 0,
-    "trace": 0, "stats": 0, "fixspec": 0, "contract": 0,
+    "_version": 0, "_optional": 0, "_paths": 0, "_patching": 0, "_waiting": 0, "errors": 0,
+    "formats": 0, "trace": 0, "stats": 0, "fixspec": 0, "contract": 0,
     "capture": 1, "analyse": 1,
     "report": 2,
     "replay": 3,
