@@ -805,10 +805,15 @@ def _adopt_located(trace: Trace, path: Path) -> None:
             + (f" (their largest magnitude {amax:.3g}" if isinstance(amax, (int, float)) else "")
             + (f", {found['input_zeros']} exact zeros" if found.get("input_zeros") else "")
             + (")" if isinstance(amax, (int, float)) else ""))
+    said = [said]
+    if found["op"] in ("aten.log", "aten.log2", "aten.log10") and found.get("input_zeros"):
+        said.append(f"its input held exact zeros, so log gave -inf: probabilities that round to 0 "
+                    f"in {found.get('dtype')}; compute the loss from logits (log_softmax, "
+                    "cross_entropy), which never takes log(0), or clamp the probabilities first")
     if trace.diagnosis is not None:
-        trace.diagnosis.evidence.append(said)
+        trace.diagnosis.evidence.extend(said)
     else:
-        trace.notes.append(said)
+        trace.notes.extend(said)
 
 
 def _finish(out: Path, v: Verification) -> None:

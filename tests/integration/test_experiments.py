@@ -194,6 +194,7 @@ def test_the_control_names_the_op_and_line_of_a_failure_outside_every_module(run
     assert f["source"] == f"{script}:{lineno}" and "torch.log(" in f["source_line"]
     said = [e for e in res.report["diagnosis"]["evidence"] if "control re-run" in e]
     assert said and "exact zeros" in said[0]  # softmax's float16 underflow, log's input
+    assert any("log_softmax" in e for e in res.report["diagnosis"]["evidence"])
     # without the re-runs nothing watched the step: no op is named
     unverified = runs["loss-op-unverified"].result().report["first_failure"]
     assert (unverified["step"], unverified["op"]) == (bad, None)
