@@ -202,9 +202,13 @@ class Zygote(PollWait):
 
 def zygotes(n: int, run: Run) -> list[Zygote]:
     """``n`` zygotes, or none where forking a process that imported torch is not safe (only
-    Linux forks here; elsewhere each slot starts ``python -m nanhunt.cli.forkserver``)."""
+    Linux forks here, and never once CUDA started in this process; otherwise each slot starts
+    ``python -m nanhunt.cli.forkserver``). Not yet run on a GPU machine."""
     if not sys.platform.startswith("linux") or n < 1:
         return []
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return []  # CUDA cannot be used again in a process forked after it started
     made = []
     with contextlib.suppress(OSError):
         for _ in range(n):
