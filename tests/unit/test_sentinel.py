@@ -108,12 +108,6 @@ def test_late_failure_is_diagnosed_like_full_tracing(arch, plant, scaled, tmp_pa
     assert (f["step"], f["phase"], f["module"], f["tensor"]) == where(hunt.first_failure)
     assert report["run"]["mode"] == "sentinel"
     assert ref.diagnosis is not None
-    if (arch, plant, scaled) == ("mlp", "backward", False) and \
-            report["diagnosis"]["kind"] != ref.diagnosis.kind:
-        # the backward classifier reads the backward ranges of the steps before the failure
-        # (growth per step), which the sentinel does not trace: a known gap, reported as such
-        pytest.xfail(f"sentinel says {report['diagnosis']['kind']}, full tracing "
-                     f"{ref.diagnosis.kind}: no per-layer history before the replayed step")
     assert report["diagnosis"]["kind"] == ref.diagnosis.kind
     # and without tracing the steps before it: step 10 holds the cheap rows only
     early = next(s for s in sent.steps if s.index == 10)
