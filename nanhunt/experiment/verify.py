@@ -619,10 +619,10 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                     candidates = [r for r in candidates if cure_rank(r) < cure_rank(region)]
             else:
                 pool.run(rungs, not_run)
+            _adopt_lr_rung(trace, ex)
             # candidates in order of cure: a fix a rung already ran is read again, free; the
             # first of those that trained ends the list, but the likelier cures queued before
             # it still run first and win if they train (a warm-up before "lr x0.1")
-            _adopt_lr_rung(trace, ex)
             fixes: list[_Task] = []
             again: list[tuple[Recommendation, list[str], tuple]] = []
             for rec in candidates:
@@ -797,15 +797,16 @@ def _adopt_located(trace: Trace, path: Path) -> None:
     f.op = found["op"]
     if found.get("source") and not f.source:
         f.source, f.source_line = found["source"], found.get("source_line")
-    amax = found.get("input_amax")
-    said = (f"the control re-run, watched op by op at step {f.step}, names {found['op']} "
+    inputs = []
+    if isinstance(found.get("input_amax"), (int, float)):
+        inputs.append(f"their largest magnitude {found['input_amax']:.3g}")
+    if found.get("input_zeros"):
+        inputs.append(f"{found['input_zeros']} exact zeros")
+    said = [f"the control re-run, watched op by op at step {f.step}, names {found['op']} "
             f"({found.get('phase')}, {found.get('dtype')})"
             + (f" at {found['source']}" if found.get("source") else "")
             + " as the first op to make a non-finite value from finite inputs"
-            + (f" (their largest magnitude {amax:.3g}" if isinstance(amax, (int, float)) else "")
-            + (f", {found['input_zeros']} exact zeros" if found.get("input_zeros") else "")
-            + (")" if isinstance(amax, (int, float)) else ""))
-    said = [said]
+            + (f" ({', '.join(inputs)})" if inputs else "")]
     if found["op"] in ("aten.log", "aten.log2", "aten.log10") and found.get("input_zeros"):
         said.append(f"its input held exact zeros, so log gave -inf: probabilities that round to 0 "
                     f"in {found.get('dtype')}; compute the loss from logits (log_softmax, "

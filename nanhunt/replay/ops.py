@@ -45,9 +45,10 @@ class ReplayResult:
     dropped_ops: int = 0
 
 
-def _user_source() -> tuple[str | None, str | None]:
-    """file:line and text of the innermost frame that is not torch's or nanhunt's."""
-    frame = sys._getframe(2)
+def _user_source(depth: int = 2) -> tuple[str | None, str | None]:
+    """file:line and text of the innermost frame that is not torch's or nanhunt's, from
+    ``depth`` frames out (2: the caller of the ``__torch_dispatch__`` that asks)."""
+    frame = sys._getframe(depth)
     while frame is not None:
         fname = frame.f_code.co_filename
         if fname.startswith(_OUR_DIR):
@@ -252,7 +253,7 @@ class StepLocator(TorchDispatchMode):
         name = str(getattr(func, "overloadpacket", func))
         strong = any(bool((torch.isnan(t) | (t == math.inf)).any()) for t in outs)
         backward = torch._C._current_graph_task_id() != -1
-        source, line = _node_source() if backward else _user_source_from(2)
+        source, line = _node_source() if backward else _user_source(3)  # past _check
         amax = max((float(t.detach().float().abs().amax()) for t in inputs), default=None)
         found = {"step": self.step, "op": name, "phase": "backward" if backward else "forward",
                  "dtype": str(outs[0].dtype).removeprefix("torch."), "source": source,
@@ -268,16 +269,3 @@ class StepLocator(TorchDispatchMode):
     def found(self) -> dict | None:
         return self.first or self.weak
 
-
-def _user_source_from(depth: int) -> tuple[str | None, str | None]:
-    """As :func:`_user_source`, from further out (the locator's own frames skipped)."""
-    frame = sys._getframe(depth + 1)
-    while frame is not None:
-        fname = frame.f_code.co_filename
-        if fname.startswith(_OUR_DIR):
-            return None, None
-        if not (fname.startswith(_TORCH_DIR) or fname.startswith("<")):
-            return f"{fname}:{frame.f_lineno}", linecache.getline(fname, frame.f_lineno).strip() \
-                or None
-        frame = frame.f_back
-    return None, None
