@@ -331,7 +331,7 @@ class FixTry:
     seconds: float = 0.0
     report: str | None = None  # the re-run's report.json, relative to the report folder
     # the conditions of "verified", each True, False or None (not applicable: no fp32 run):
-    # control_reproduced, past_horizon, finite, no_skip_streak, within_fp32_noise
+    # control_reproduced, past_horizon, finite, no_skip_streak, learned, within_fp32_noise
     conditions: dict[str, bool | None] = field(default_factory=dict)
 
 
@@ -340,8 +340,8 @@ class Experiment:
     """One re-run of the experiment ladder: the script run again with one change (or none, the
     control), to a horizon, and what it showed (DESIGN.md §9; docs/report-schema.md)."""
 
-    # control | fp32 | bf16 | no-scaler | init-scale | lr-0.1 | lr-0.01 | clip | skip-batch |
-    # region (one step of the float32 bisection) | fix
+    # control | fp32 | bf16 | fp32-master | no-scaler | init-scale | lr-0.1 | lr-0.01 | clip |
+    # skip-batch | region (one step of the float32 bisection) | fix
     rung: str
     fixes: list[str] = field(default_factory=list)  # the --fix specs installed ([]: control)
     purpose: str = ""  # the question it answers, in words

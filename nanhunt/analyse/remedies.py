@@ -28,10 +28,11 @@ _INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "
                 "fp32_master_weights", "z_loss", "logit_cap", "lr_warmup", "comm_hook",
                 "no_comm_hook")
 #: which recommendation types re-run verification tries first (most likely to cure first):
-#: a floor removes the invalid op (an eps too, when the module has one), float32 keeps the
-#: values, a clamp only bounds a symptom
+#: a floor removes the invalid op (an eps too, when the module has one), float32 master
+#: weights change only the optimizer's arithmetic (every module still computes in low
+#: precision), a float32 region keeps a module's values, a clamp only bounds a symptom
 _PRIORITY = {"comm_hook": 0, "no_comm_hook": 1,
-             "clamp_op": 0, "eps": 1, "fp32_module": 2, "fp32_master_weights": 2,
+             "clamp_op": 0, "eps": 1, "fp32_master_weights": 1, "fp32_module": 2,
              "init_scale": 3, "logit_cap": 3, "z_loss": 3, "lr_warmup": 4,
              "clip_grad_norm": 4, "lower_lr": 5, "clamp": 6}
 _DEFAULT_GROWTH_INTERVAL = 2000

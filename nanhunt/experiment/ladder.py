@@ -34,9 +34,9 @@ from nanhunt.formats import get_format
 from nanhunt.trace import Experiment, Experiments, Finding, Trace
 
 __all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "contradiction", "failure_step",
-           "first_rungs", "horizon", "loss_gap", "measured_clip", "measured_init_scale",
-           "next_rungs", "outcome", "same_problem", "silent_candidate", "silent_verdict",
-           "uses_low_precision"]
+           "first_rungs", "half_optimizer", "horizon", "loss_gap", "measured_clip",
+           "measured_init_scale", "next_rungs", "outcome", "same_problem", "silent_candidate",
+           "silent_verdict", "uses_low_precision"]
 
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
@@ -156,6 +156,11 @@ def measured_init_scale(trace: Trace) -> float | None:
     return 2.0 ** k
 
 
+def half_optimizer(trace: Trace) -> bool:
+    """Whether an optimizer stepped 16-bit parameters (its update and state in that format)."""
+    return any(d in ("float16", "bfloat16") for o in trace.optimizers for d in o.param_dtypes)
+
+
 def next_rungs(trace: Trace, ex: Experiments) -> list[Rung]:
     """The rungs the first outcomes call for."""
     fp32 = _run(ex, "fp32")
@@ -166,6 +171,10 @@ def next_rungs(trace: Trace, ex: Experiments) -> list[Rung]:
         if _float16(trace):
             rungs.append(Rung("bf16", ("bf16",), "does bfloat16 (float32's range, fewer "
                                                  "mantissa bits) train?"))
+        if half_optimizer(trace):
+            rungs.append(Rung("fp32-master", ("fp32-master",),
+                              "does it train with float32 master weights and optimizer state "
+                              "(the forward and backward unchanged)?"))
         if trace.run.scaler:
             rungs.append(Rung("no-scaler", ("no-scaler",),
                               "does it train without loss scaling?"))
@@ -391,6 +400,7 @@ def classify(ex: Experiments, trace: Trace) -> None:
         return
     fp32, bf16 = _run(ex, "fp32"), _run(ex, "bf16")
     noscale, scale = _run(ex, "no-scaler"), _run(ex, "init-scale")
+    master = _run(ex, "fp32-master")
     said: list[str] = []
     verdict = "undetermined"
     name = ""
@@ -409,6 +419,11 @@ def classify(ex: Experiments, trace: Trace) -> None:
             verdict, mid = "precision-resolution", "the run is bfloat16 already (float32's range)"
         else:  # bfloat16 did not run (the budget) or crashed: range or resolution unknown
             verdict, mid = "precision", "bfloat16 was not tried to completion"
+        if master is not None and master.outcome == "trained":
+            # the narrowest change of all: only the optimizer's arithmetic leaves 16 bits
+            said.append("float32 master weights and optimizer state remove the failure (the "
+                        "forward and backward still in low precision)")
+            name = _NAMES[verdict] + ", in the optimizer's 16-bit weights and state"
         if ex.region:
             # the narrowest experiment that proves it first (DESIGN.md §9)
             region = ex.region.removeprefix("fp32:")
@@ -420,6 +435,8 @@ def classify(ex: Experiments, trace: Trace) -> None:
             said += ["float32 everywhere removes the failure", mid]
             if ex.region_text:
                 said.append(ex.region_text)
+        if master is not None and master.outcome in _FAILED:
+            said.append(f"float32 master weights alone do not ({_how(master)})")
     elif fp32 is None or fp32.outcome in _FAILED:
         if fp32 is None:
             said.append("the run used no low-precision format")

@@ -427,7 +427,7 @@ def _start_child(cfg: RerunConfig, server: _Server | None, fixes: list[str], out
 
 #: the conditions of "verified", in the order the report says them
 CONDITIONS = ("control_reproduced", "past_horizon", "finite", "no_skip_streak",
-              "within_fp32_noise")
+              "learned", "within_fp32_noise")
 
 
 def default_jobs() -> int:
@@ -612,6 +612,9 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                 # a precision failure: bisect float32 over the module tree, its first level
                 # beside the other rungs
                 region = _bisect(trace, ex, pool, rungs, rung_task, not_run, reruns, steps)
+                master = _master_recommendation(trace, ex)
+                if master is not None and master not in candidates:
+                    candidates = verify_order([*candidates, master])
                 if region is not None and region.tries[-1].verified:
                     winner.append(region)
                     # only the rules' fixes likelier to cure than a float32 region (a floor, an
@@ -739,8 +742,15 @@ def _conditions(result: FixTry, e: Experiment, ex: Experiments) -> None:
         "finite": e.outcome not in ("recurred", "moved", "crashed", "stopped") and
         not (e.outcome == "diverged" and "loss" in e.detail and "blew" not in e.detail),
         "no_skip_streak": "skipped" not in e.detail,
+        "learned": None,
         "within_fp32_noise": None,
     }
+    if e.outcome == "trained":
+        learned = learning(e, ex)
+        if learned is not None:
+            c["learned"] = learned[0]
+            if not learned[0]:
+                result.reason += "; " + learned[1]
     if fp32 is not None and e.outcome == "trained":
         gap = loss_gap(e, fp32, ex, None)
         if gap is not None:
@@ -755,6 +765,58 @@ def _conditions(result: FixTry, e: Experiment, ex: Experiments) -> None:
     if result.verified:
         held = [k.replace("_", " ") for k in CONDITIONS if c.get(k)]
         result.reason += "; held: " + ", ".join(held)
+
+
+def _master_recommendation(trace: Trace, ex: Experiments) -> Recommendation | None:
+    """The float32-master-weights fix where its rung trained: the rules' recommendation of it,
+    or one made from the experiment where no rule proposed it (its re-run is then read again as
+    its try, like any rung's)."""
+    e = next((x for x in ex.runs if x.rung == "fp32-master" and x.outcome == "trained"), None)
+    if e is None:
+        return None
+    rec = next((r for r in trace.recommendations if r.fix == ["fp32-master"]), None)
+    if rec is None:
+        groups = sorted({d for o in trace.optimizers for d in o.param_dtypes
+                         if d in ("float16", "bfloat16")})
+        rec = Recommendation(
+            type="fp32_master_weights", value=None, snippet="",
+            evidence=[f"the optimizer steps {' and '.join(groups)} weights: its update and its "
+                      "state are rounded to that format; with float32 master copies the re-run "
+                      f"trained ({e.detail})"],
+            data={"source": "experiment"})
+        set_fix(rec, trace, [parse_fix("fp32-master")])
+        trace.recommendations.append(rec)
+    return rec
+
+
+def _drop(losses: list[float | None]) -> float | None:
+    """How much a run's loss fell: the mean of its first quarter (at most 5 losses) less the
+    mean of its last; None with fewer than 4 losses or a non-finite one among them."""
+    if len(losses) < 4 or any(v is None or not math.isfinite(v) for v in losses):
+        return None
+    k = max(1, min(5, len(losses) // 4))
+    return (sum(losses[:k]) - sum(losses[-k:])) / k  # type: ignore[arg-type]
+
+
+def learning(e: Experiment, ex: Experiments) -> tuple[bool, str] | None:
+    """Whether a fix's re-run learned: where the control's loss fell before the failure step
+    (the run was learning), the fix's must fall over its run too; where it did not (a run that
+    never learned, random targets), the fix's must at least not rise beyond the noise. None
+    where either has too few finite losses to tell."""
+    control = next((x for x in ex.runs if x.rung == "control"), None)
+    if control is None or ex.failure_step is None:
+        return None
+    before = _drop(control.losses[: ex.failure_step])
+    after = _drop(e.losses)
+    if before is None or after is None:
+        return None
+    noise = 2 * (ex.spread or 0.0)
+    span = f"{_loss_span(e.losses)}"
+    if before > noise:
+        return (after > 0, f"it did not learn: its loss went {span} while the control's fell "
+                           f"by {before:.3g} before the failure")
+    return (after >= -max(noise, 0.05 * abs(e.losses[0] or 0.0)),  # type: ignore[operator]
+            f"its loss rose: {span}")
 
 
 def _adopt_lr_rung(trace: Trace, ex: Experiments) -> None:

@@ -111,8 +111,9 @@ def test_a_float16_overflow_is_a_range_failure_proven_by_float32_and_bfloat16(ru
     rec = next(r for r in report["recommendations"] if r["verified"])
     assert rec["fix"] == [ex["region"]] and rec["type"] == "fp32_module"
     held = rec["tries"][-1]["conditions"]
+    # learned: not applicable, the control failed at step 3 (too few losses before it)
     assert held == {"control_reproduced": True, "past_horizon": True, "finite": True,
-                    "no_skip_streak": True, "within_fp32_noise": True}
+                    "no_skip_streak": True, "learned": None, "within_fp32_noise": True}
     assert first_nan(run_script(script, fixes=rec["fix"])) is None
     html = res.html
     assert 'id="experiments"' in html and "experiment-loss" in html
@@ -153,6 +154,16 @@ def test_a_run_that_learns_less_than_float32_is_a_silent_precision_failure(runs)
         # bfloat16 stalls too (resolution), unless the --budget left it out on a loaded machine
         assert ex["verdict"] in ("precision-resolution", "precision"), ex["verdict_text"]
         assert runs_["control"]["outcome"] == "recurred"
+        # the weights are float16 in the optimizer: float32 master weights alone (the forward
+        # and backward still float16) train, the narrowest cure, verified first
+        assert runs_["fp32-master"]["outcome"] == "trained", runs_["fp32-master"]
+        assert ex["verdict_text"].startswith("float32 master weights and optimizer state "
+                                             "remove the failure")
+        first = report["recommendations"][0]
+        assert first["fix"] == ["fp32-master"] and first["verified"], first
+        # installed from outside, that fix makes the script itself learn like float32
+        fixed = _losses(run_script(SCRIPTS / "silent_half_updates.py", fixes=["fp32-master"]))
+        assert fixed[-1] < 0.8 * fixed[0]
     # the script's own float32 path is the reference: the fp32 experiment's losses are its
     script = SCRIPTS / "silent_half_updates.py"
     fp32 = _losses(run_script(script, ["--fp32"]))

@@ -17,7 +17,7 @@ from nanhunt.experiment.ladder import (
     next_rungs,
     outcome,
 )
-from nanhunt.experiment.verify import _adopt_lr_rung, _conditions, judge
+from nanhunt.experiment.verify import _adopt_lr_rung, _conditions, judge, learning
 from nanhunt.trace import (
     Experiment,
     Experiments,
@@ -469,3 +469,57 @@ def test_the_lr_advice_takes_the_largest_factor_an_lr_rung_trained_with():
     t.recommendations = [rec2]
     _adopt_lr_rung(t, ex)
     assert (rec2.value, rec2.fix) == (0.5, ["lr-factor=0.5"])
+
+
+def test_a_half_precision_optimizer_gets_the_master_weights_rung_and_it_is_cited_first():
+    t = _original(kind="underflow")
+    t.optimizers = [OptimizerInfo(type="SGD", param_dtypes=["float16"])]
+    ex = _ex(t, control="recurred", fp32="trained")
+    rungs = {r.name: r.fixes for r in next_rungs(t, ex)}
+    assert rungs["fp32-master"] == ("fp32-master",)
+    t.optimizers = [OptimizerInfo(type="SGD", param_dtypes=["float32"])]
+    assert "fp32-master" not in {r.name for r in next_rungs(t, ex)}
+    # its outcome is read into the verdict: trained, it is the narrowest cure and said first
+    ex = _ladder(t, _rung("fp32", "trained"), _rung("bf16", "recurred", "bf16"),
+                 _rung("fp32-master", "trained", "fp32-master"))
+    classify(ex, t)
+    assert ex.verdict == "precision-resolution"
+    assert ex.verdict_text.startswith("float32 master weights and optimizer state remove the "
+                                      "failure")
+    assert ex.verdict_text.endswith("in the optimizer's 16-bit weights and state")
+    ex = _ladder(t, _rung("fp32", "trained"), _rung("bf16", "trained", "bf16"),
+                 _rung("fp32-master", "recurred", "fp32-master", step=3))
+    classify(ex, t)
+    assert ex.verdict == "precision-range"
+    assert "float32 master weights alone do not (recurred at step 3)" in ex.verdict_text
+
+
+def test_a_fix_whose_run_does_not_learn_is_not_verified():
+    """The control learned before its failure at step 8 (2.0 falling to 1.3; the mean of its
+    first two losses less its last two: 0.6): a fix whose run stays flat, or rises without
+    blowing up, removed the failure but not the problem."""
+    t = _original(step=8)
+    ex = _ex(t, control="recurred")
+    ex.runs[0].losses = [2.0 - 0.1 * i for i in range(8)] + [math.nan]
+    ex.spread = 0.0
+    falling, flat = [2.0 - 0.02 * i for i in range(24)], [2.0] * 24
+    result, e = _fix(falling)
+    _conditions(result, e, ex)
+    assert result.verified and result.conditions["learned"] is True
+    assert "learned" in result.reason.split("held: ")[1]
+    result, e = _fix(flat)
+    _conditions(result, e, ex)
+    assert not result.verified and result.conditions["learned"] is False
+    assert "did not learn: its loss went 2 -> 2 while the control's fell by 0.6" in result.reason
+    # a run that was not learning before the failure (random targets): flat is fine, a loss
+    # that climbs (to 3.4, under the blow-up factor) is not
+    ex.runs[0].losses = [2.0 + 0.01 * (-1) ** i for i in range(8)] + [math.nan]
+    result, e = _fix(flat)
+    _conditions(result, e, ex)
+    assert result.verified and result.conditions["learned"] is True
+    result, e = _fix([2.0 + 0.06 * i for i in range(24)])
+    _conditions(result, e, ex)
+    assert not result.verified and "its loss rose: 2 -> 3.38" in result.reason
+    # too few losses before the failure to tell: not applicable, and said so by None
+    ex.failure_step = 2
+    assert learning(e, ex) is None
