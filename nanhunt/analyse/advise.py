@@ -1178,14 +1178,24 @@ def _fsdp_unit(trace: Trace, name: str) -> tuple[str, dict] | None:
 
 def _fsdp_reduce_dtype(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
     """An FSDP2 reduce-scatter in float16 that overflowed: reduce in float32."""
-    if not str(finding.data.get("reduction", "")).startswith("FSDP2") or not finding.module:
+    if not str(finding.data.get("reduction", "")).startswith("FSDP") or not finding.module:
         return None
     unit = _fsdp_unit(trace, finding.module)
     if unit is None:
         return None
     name, policy = unit
     param = policy.get("param_dtype")
+    fsdp1 = policy.get("api") == "FSDP1"
     code = "\n".join([
+        "import torch",
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP",
+        "from torch.distributed.fsdp import MixedPrecision",
+        "",
+        "policy = MixedPrecision("
+        + (f"param_dtype=torch.{param}, " if param else "") + "reduce_dtype=torch.float32)",
+        f"FSDP({'model' if not name else _fsdp_ref(name)}, mixed_precision=policy, ...)  "
+        "# and every unit that shares it",
+    ]) if fsdp1 else "\n".join([
         "import torch",
         "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
         "",
@@ -1216,6 +1226,8 @@ def _fsdp_fp32(rec: Recommendation, trace: Trace) -> Recommendation:
     param = policy.get("param_dtype")
     if param not in ("float16", "bfloat16"):
         return rec  # the policy computes in float32 already: autocast decides
+    if policy.get("api") == "FSDP1":
+        return _fsdp1_fp32(rec, region, name, param)
     cast = rec.data.get("cast_to")
     lines = [
         "import torch",
@@ -1242,6 +1254,43 @@ def _fsdp_fp32(rec: Recommendation, trace: Trace) -> Recommendation:
                     f"MixedPrecisionPolicy casts its weights to {param}: autocast cannot "
                     "change that, the policy must (units of their own, in float32)"]
     rec.data = {**rec.data, "unit": name, "policy": dict(policy)}
+    return rec
+
+
+def _fsdp1_fp32(rec: Recommendation, region: list[str], unit: str,
+                param: str) -> Recommendation:
+    """Under FSDP1 a module's weights arrive in its unit's ``MixedPrecision.param_dtype``:
+    float32 for a region means units of their own with a float32 MixedPrecision, wrapped
+    before the model is (FSDP1 wraps top-down, a unit already wrapped keeps its own), each
+    output cast back to the policy's dtype for the modules that follow (their weights stay
+    in it)."""
+    lines = [
+        "import torch",
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP",
+        "from torch.distributed.fsdp import MixedPrecision",
+        "",
+        "# before FSDP(model, ...): these compute in float32 (their inputs cast up), the rest",
+        "# keeps its MixedPrecision; pass the same device_id / use_orig_params as for the model",
+        "fp32 = MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32,",
+        "                      cast_forward_inputs=True)",
+    ]
+    for module in region:
+        parent, _, child = module.rpartition(".")
+        lines += [
+            f"unit = FSDP(model.get_submodule({_q(module)}), mixed_precision=fp32)",
+            f"unit.register_forward_hook(lambda m, args, out: out.to(torch.{param}))",
+            f"setattr(model.get_submodule({_q(parent)}), {_q(child)}, unit)",
+        ]
+    rec.type = "fsdp_policy"
+    rec.fix = []
+    rec.snippet = "\n".join(lines)
+    rec.helper = ""
+    rec.code_change = True
+    rec.evidence = [*rec.evidence[:-1],
+                    f"{region[0]} runs in FSDP1 unit {unit or '<root>'}, whose MixedPrecision "
+                    f"casts its weights to {param}: autocast cannot change that, an FSDP unit "
+                    "of its own in float32 can"]
+    rec.data = {**rec.data, "unit": unit, "api": "FSDP1"}
     return rec
 
 
@@ -1312,6 +1361,6 @@ def advise(trace: Trace) -> None:
     # every installable recommendation gets its --fix specs and the snippet written from them
     # (one generator: the printed code is the change --fix installs)
     attach_fixes(trace)
-    if trace.run.fsdp_policies:  # float32 under FSDP2 is a policy, not autocast
+    if trace.run.fsdp_policies:  # float32 under FSDP is a policy, not autocast
         trace.recommendations = [_fsdp_fp32(r, trace) if r.type == "fp32_module" else r
                                  for r in trace.recommendations]

@@ -13,6 +13,12 @@
   parameter's post-accumulate hook sees the result, so its ``param_grad`` row is put in this
   phase (by the autograd observer, through :meth:`CommObserver.fsdp_reduction`). The unsharded
   gradient before the reduce-scatter is not observed per parameter.
+- **FSDP1** (``FullyShardedDataParallel``) reduce-scatters in its post-backward hook and sets
+  each rank's shard as the ``.grad`` of its parameters without an accumulate hook firing: right
+  after ``Tensor.backward`` returns, one ``param_grad`` row per parameter in this phase, on the
+  local shard and reduced across ranks like FSDP2's (``use_orig_params=True``: the user's
+  parameters by name; otherwise each unit's flat parameter, owned by the unit). Its
+  ``MixedPrecision`` is read from each unit.
 
 The hooks are read from each DDP instance (``_comm_hooks``: what is registered, a ``--fix``'s
 swap included), and each FSDP2 unit's ``MixedPrecisionPolicy`` from its state, so the report
@@ -27,6 +33,7 @@ import torch
 
 from nanhunt import stats as _stats
 from nanhunt.capture._util import _in_backward, _safe
+from nanhunt.capture.naming import clean
 from nanhunt.capture.state import Part, _Meta
 
 __all__ = ["CommObserver", "hook_dtype", "hook_name"]
@@ -56,6 +63,13 @@ def _ddp_class() -> Any:
     return DistributedDataParallel
 
 
+def _is_fsdp1(module: Any) -> bool:
+    """An FSDP1 wrapper (``FullyShardedDataParallel``; FSDP2's ``fully_shard`` keeps the
+    module's own class)."""
+    return type(module).__name__ == "FullyShardedDataParallel" and \
+        isinstance(getattr(module, "_fsdp_wrapped_module", None), torch.nn.Module)
+
+
 def _dtype_name(dtype: Any) -> str | None:
     return str(dtype).removeprefix("torch.") if dtype is not None else None
 
@@ -72,6 +86,8 @@ class CommObserver(Part):
         self._units_seen: set[int] = set()
         # id(sharded parameter) -> (the unit's name, its reduce dtype)
         self._fsdp_params: dict[int, tuple[str, str | None]] = {}
+        # FSDP1: id(parameter) -> (the unit's name, its reduce dtype)
+        self.fsdp1_params: dict[int, tuple[str, str | None]] = {}
 
     # -- DDP ---------------------------------------------------------------------------------
 
@@ -85,6 +101,9 @@ class CommObserver(Part):
             return
         for ref, _label in list(s.naming.roots):
             ddp = ref()
+            if _is_fsdp1(ddp):
+                self._fsdp1_rows(ddp)
+                continue
             if not isinstance(ddp, self._ddp) or not getattr(ddp, "require_backward_grad_sync",
                                                              True):
                 continue
@@ -110,6 +129,35 @@ class CommObserver(Part):
                     module=owner, tensor=tensor, role="reduced_grad", dtype=str(dtype),
                     shape=tuple(g.shape), owner=owner))
 
+    # -- FSDP1 -------------------------------------------------------------------------------
+
+    def _fsdp1_rows(self, root: Any) -> None:
+        """Each FSDP1 parameter's reduced shard, as a sharded ``param_grad`` row."""
+        s = self.s
+        if not self.fsdp1_params:
+            self.find_units()
+        label = s.naming.names.get(root, "")
+        for full, p in root.named_parameters():
+            g = p.grad
+            if g is None and p.numel() == 0 and p.requires_grad:
+                g = p.detach()  # an empty shard on this rank: a row all the same, as the peers
+            if g is None or not _stats.summarizable(g):
+                continue
+            unit, reduce_dtype = self.fsdp1_params.get(id(p), ("", None))
+            name, owner = s.naming.param_names.get(p, ("", ""))
+            if not name:  # a flat parameter (use_orig_params=False): the unit owns it
+                name = clean(full)
+                owner = unit or label
+            tensor = f"{name}.grad"
+            where = f" of {unit or '<root>'}"
+            s.judge.reductions[tensor] = (f"FSDP1 reduce-scatter{where}", reduce_dtype)
+            self.cur.grad_params[id(p)] = p
+            self.rec.queue(g, _Meta(
+                step=s._step, order=self.cur.next_order(), phase="communication",
+                module=owner, tensor=tensor, role="param_grad",
+                dtype=str(g.dtype).removeprefix("torch."), shape=tuple(g.shape), owner=owner,
+                sharded=True))
+
     # -- FSDP2 -------------------------------------------------------------------------------
 
     def fsdp_reduction(self, p: torch.Tensor, tensor: str) -> bool:
@@ -126,6 +174,18 @@ class CommObserver(Part):
         self.s.judge.reductions[tensor] = (f"FSDP2 reduce-scatter{where}", reduce_dtype)
         return True
 
+    def _fsdp1_unit(self, root: Any, unit: Any) -> None:
+        """An FSDP1 unit's MixedPrecision, and the parameters it manages."""
+        mp = getattr(unit, "mixed_precision", None)
+        name = "" if unit is root else self.s.naming.names.get(unit, "")
+        param = _dtype_name(getattr(mp, "param_dtype", None))
+        reduce = _dtype_name(getattr(mp, "reduce_dtype", None))
+        self.policies[name] = {"param_dtype": param, "reduce_dtype": reduce,
+                               "output_dtype": None, "api": "FSDP1"}
+        for p in unit.parameters():
+            # the innermost unit manages it: a nested unit is met after its parent
+            self.fsdp1_params[id(p)] = (name, reduce or param)
+
     def find_units(self) -> None:
         """Each FSDP2 unit of the named roots: its policy and the parameters it shards."""
         for ref, _label in list(self.s.naming.roots):
@@ -133,6 +193,10 @@ class CommObserver(Part):
             if root is None:
                 continue
             for module in root.modules():
+                if _is_fsdp1(module) and id(module) not in self._units_seen:
+                    self._units_seen.add(id(module))
+                    self._fsdp1_unit(root, module)
+                    continue
                 get_state = getattr(module, "_get_fsdp_state", None)
                 if get_state is None or id(module) in self._units_seen:
                     continue

@@ -12,6 +12,20 @@ from nanhunt.capture._util import _owner_of, _unwrap, _variable_name
 from nanhunt.capture.state import _Frame
 
 
+#: the attribute a nested wrapper keeps the user's module under (FSDP1, activation
+#: checkpointing's checkpoint_wrapper): not part of the name the user wrote
+_WRAPPED = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def clean(qual: str) -> str:
+    """A qualified name without nested wrappers' attributes (``3._fsdp_wrapped_module`` ->
+    ``3``): the wrapper and the module it wraps share the user's name, as torch's own
+    ``named_parameters`` of those wrappers do."""
+    if "_wrapped_module" not in qual:
+        return qual
+    return ".".join(part for part in qual.split(".") if part not in _WRAPPED)
+
+
 class Naming:
     """Names modules from their roots (modules nobody else contains); a root's parameters are
     handed to ``on_param`` once each (the autograd observer hooks their accumulated gradients)."""
@@ -65,6 +79,7 @@ class Naming:
             self.types[label] = type(root).__name__
             root = inner
         for qual, mod in root.named_modules():
+            qual = clean(qual)
             name = (qual or label) if primary else (f"{label}.{qual}" if qual else label)
             self.names[mod] = name
             self.types[name] = type(mod).__name__

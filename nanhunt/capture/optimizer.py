@@ -328,14 +328,19 @@ class OptimizerObserver(Part):
             return
         params = self.cur.opt_params if self.cur.opt_params is not None else \
             self.cur.grad_params.values()
-        grads = [p.grad for p in params if p.grad is not None]
+        params = [p for p in params if p.grad is not None]
         self.cur.grad_params, self.cur.opt_params = {}, None
-        if not grads:
+        if not params:
             return
         # a sharded gradient's sum of squares is this rank's shard's: the recorder adds the
-        # ranks' up (capture/shards.py)
-        for key, part_grads in (("grad_sumsq", [g for g in grads if not is_sharded(g)]),
-                                ("grad_sumsq_sharded", [g for g in grads if is_sharded(g)])):
+        # ranks' up (capture/shards.py); FSDP1's shards are plain tensors, known by parameter
+        comm = getattr(self.s, "comm", None)
+        fsdp1 = comm.fsdp1_params if comm is not None else {}
+        shard = [is_sharded(p.grad) or id(p) in fsdp1 for p in params]
+        for key, part_grads in (("grad_sumsq", [p.grad for p, sh in zip(params, shard)
+                                                if not sh]),
+                                ("grad_sumsq_sharded", [p.grad for p, sh in zip(params, shard)
+                                                        if sh])):
             by_device: dict[torch.device, list[torch.Tensor]] = {}
             for g in part_grads:
                 if not g.is_sparse:

@@ -2,7 +2,9 @@
 
 Each rank summarises its own shard (``stats.local``: no DTensor op, no collective per tensor).
 Once per step, after the step's one transfer to the host, :class:`ShardReducer` gathers every
-rank's shard rows in **one** ``all_gather`` over a gloo group of nanhunt's own (made once, on
+rank's shard rows in one ``all_gather`` (after a fixed-size header saying which tensors and how
+many rows: ranks that disagree turn the reduction off instead of a gather of unequal sizes,
+which gloo answers by aborting the process) over a gloo group of nanhunt's own (made once, on
 the first step that has sharded rows; every rank reaches that step's transfer at the same point
 of the loop, the optimizer's step), and the recorder merges them into the whole tensor's
 statistics: counts and histograms add up, ``amax`` is the largest, ``amin`` the smallest.
@@ -41,7 +43,7 @@ def _names_key(names: Sequence[str]) -> float:
 
 
 class ShardReducer:
-    """One ``all_gather`` per step of the rows computed on local shards."""
+    """Two ``all_gather`` per step (a header, then the rows computed on local shards)."""
 
     def __init__(self) -> None:
         self.group = None
@@ -69,19 +71,20 @@ class ShardReducer:
                 timeout = float(os.environ.get("NANHUNT_RANK_TIMEOUT", "60"))
                 self.group = dist.new_group(backend="gloo",
                                             timeout=datetime.timedelta(seconds=timeout))
-            head = np.array([_names_key(names), float(block.shape[0])])
-            mine = torch.from_numpy(np.concatenate([head, block.reshape(-1)]))
+            # the header first, of a fixed size: blocks of different sizes in one gather
+            # would abort gloo (and the user's job) instead of raising
+            head = torch.tensor([_names_key(names), float(block.shape[0]),
+                                 float(block.size)], dtype=torch.float64)
+            heads = [torch.empty_like(head) for _ in range(dist.get_world_size())]
+            dist.all_gather(heads, head, group=self.group)
+            if any(not torch.equal(h, head) for h in heads):
+                self.failed = "the ranks' sharded tensors differ (not the same parameters)"
+                return None
+            mine = torch.from_numpy(np.ascontiguousarray(block.reshape(-1)))
             outs = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(outs, mine, group=self.group)
             self.gathers += 1
         except Exception as exc:  # a peer gone, a timeout: the shards stay this rank's
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             return None
-        blocks = []
-        for out in outs:
-            arr = out.numpy()
-            if arr[0] != head[0] or arr[1] != head[1]:
-                self.failed = "the ranks' sharded tensors differ (not the same parameters)"
-                return None
-            blocks.append(arr[2:].reshape(block.shape))
-        return blocks
+        return [out.numpy().reshape(block.shape) for out in outs]

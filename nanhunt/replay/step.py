@@ -70,6 +70,17 @@ def _unwrap_compiled(m: nn.Module) -> tuple[nn.Module, bool]:
     return m, False
 
 
+def _sharded(module: nn.Module) -> str:
+    """How ``module``'s weights are sharded across ranks (FSDP1, FSDP2 or tensor parallel's
+    DTensors), or "" when every rank holds them whole."""
+    for m in module.modules():
+        if type(m).__name__ == "FullyShardedDataParallel":
+            return "sharded by FSDP (FullyShardedDataParallel)"
+    if any(type(p).__name__ == "DTensor" for p in module.parameters()):
+        return "sharded by FSDP2 or tensor parallelism (DTensor parameters)"
+    return ""
+
+
 def hold(sentinel: Any, keep: StepKeep, scale: float | None) -> Held:
     """Copy what a replay of ``keep``'s step needs before the step's update overwrites it
     (:class:`~.contract.CopyRefused` above the cap)."""
@@ -83,6 +94,12 @@ def hold(sentinel: Any, keep: StepKeep, scale: float | None) -> Held:
             continue
         inner, compiled = _unwrap_compiled(c.module)
         label = sentinel.naming.names.get(c.module) or type(c.module).__name__
+        sharded = _sharded(inner)
+        if sharded:
+            raise CopyRefused(
+                f"{label} is {sharded}: its weights are split across the ranks, so one rank "
+                "cannot replay its step alone (full tracing, without --mode sentinel, names "
+                "the layer as the step runs)")
         # (our hooks are not copied: nn.Module.__getstate__ leaves them out while we watch)
         dup = held.copies.module(inner, label)
         for d in (dup._forward_pre_hooks, dup._forward_hooks,

@@ -243,7 +243,9 @@ def _problem_text_of(trace: Trace, kind: str) -> str:
     diag = trace.diagnosis
     ff = trace.first_failure
     if diag is not None and diag.rule == "untraced-step" and ff is not None:
-        why = "step not traced" if ff.observed else "weights non-finite before the step"
+        why = "step not traced" if ff.observed else \
+            "step not replayed" if "was not replayed" in (ff.detail or "") else \
+            "weights non-finite before the step"
         return f"non-finite {ff.tensor} at step {ff.step}: origin not observed ({why})"
     if diag is not None and ff is not None and (diag.phase or diag.module):
         # the cause, not where the symptom surfaced: a collapse caused by a backward op is

@@ -365,6 +365,26 @@ def _fsdp2(dtype: str) -> list[str]:
                      "--param-dtype", dtype, "--plant")
 
 
+def _fsdp1(*extra: str) -> list[str]:
+    return _torchrun("--quiet", "--out", "out", str(SCRIPTS / "fsdp1_overflow.py"), "--plant",
+                     *extra)
+
+
+def _plain_torchrun(script: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2", str(script), *args]
+
+
+def _printed(stdout: str) -> dict[tuple[int, int], tuple[float, float]]:
+    """``rank R step S loss X gnorm G`` lines -> {(rank, step): (loss, gnorm)}."""
+    out = {}
+    for line in stdout.splitlines():
+        w = line.split()
+        if w[:1] == ["rank"] and "gnorm" in w:
+            out[(int(w[1]), int(w[3]))] = (float(w[5]), float(w[7]))
+    return out
+
+
 def prefetch(cli) -> dict:
     """The default suite's two torchrun jobs, in the session's shared pool (tests/integration/
     conftest.py), each in a fresh folder: their three processes run beside the in-process
@@ -372,7 +392,9 @@ def prefetch(cli) -> dict:
     return {"ddp": cli.call(("torchrun", "ddp-nan-batch"),
                             lambda cwd: (cwd, _run(_ddp_nan_batch(_torchrun), cwd))),
             "fsdp2-float16": cli.call(("torchrun", "fsdp2", "float16"),
-                                      lambda cwd: (cwd, _run(_fsdp2("float16"), cwd)))}
+                                      lambda cwd: (cwd, _run(_fsdp2("float16"), cwd))),
+            "fsdp1": cli.call(("torchrun", "fsdp1"),
+                              lambda cwd: (cwd, _run(_fsdp1("--nested"), cwd)))}
 
 
 # one torchrun job of each kind stays in the default suite (DDP here, FSDP2 below); the rest of
@@ -518,6 +540,68 @@ def test_fsdp2_mixed_precision_overflow_on_one_rank_names_the_layer_and_rank(tmp
     assert advice["fix"] == [] and advice["code_change"]
     assert 'fully_shard(model.get_submodule("2"), mp_policy=fp32)' in advice["snippet"]
     assert "autocast" not in advice["snippet"]
+
+
+@pytest.mark.parametrize("layout", ["nested", pytest.param("flat", marks=pytest.mark.slow)])
+def test_fsdp1_mixed_precision_overflow_names_the_layer_rank_and_whole_gradient_norm(
+        tmp_path, layout, cli):
+    """FSDP1 (FullyShardedDataParallel, MixedPrecision float16, a nested unit): the user's
+    module names without FSDP1's ``_fsdp_wrapped_module``, the overflowing layer on rank 1,
+    the gradient shards reduced across the ranks (the script's own all-reduced norm), each
+    unit's MixedPrecision, and float32 advice as FSDP1 units of their own."""
+    if layout == "nested":
+        tmp_path, proc = prefetch(cli)["fsdp1"].result()
+    else:  # FSDP1's default flat parameters: the unit owns its gradient shard
+        proc = _run(_fsdp1("--nested", "--flat"), tmp_path)
+    assert "internal error" not in proc.stderr, proc.stderr
+    report = _report(tmp_path / "out")
+    ff = report["first_failure"]
+    assert (ff["rank"], ff["step"], ff["phase"], ff["module"], ff["tensor"]) == (
+        1, 2, "forward", "2", "output"), proc.stderr
+    assert ff["stats"]["dtype"] == "float16" and report["diagnosis"]["kind"] == "overflow"
+    modules = {layer["module"] for layer in report["layers"]}
+    assert {"0", "2", "3"} <= modules and not any("_fsdp" in m for m in modules), modules
+    printed = _printed(proc.stdout)
+    for r in (0, 1):
+        for step in (0, 1):
+            got = report["ranks"][r]["steps"][step]["grad_norm"]
+            assert got == pytest.approx(printed[(r, step)][1], rel=1e-6)
+    grads = {layer["module"]: layer["param_grad_amax_by_step"] for layer in report["layers"]}
+    owner = "3" if layout == "flat" else "0"  # flat: each unit owns its shard
+    assert grads[owner].get("0", 0) > 0, grads
+    policies = report["run"]["fsdp_policies"]
+    assert policies["3"] == policies[""] == {"param_dtype": "float16", "reduce_dtype": "float32",
+                                             "output_dtype": None, "api": "FSDP1"}
+    advice = next(r for r in report["recommendations"] if r["type"] == "fsdp_policy")
+    assert advice["code_change"] and "FSDP1 unit <root>" in " ".join(advice["evidence"])
+    assert 'FSDP(model.get_submodule("2"), mixed_precision=fp32)' in advice["snippet"]
+    assert "autocast" not in advice["snippet"] and "fully_shard" not in advice["snippet"]
+
+
+@pytest.mark.slow
+def test_the_fsdp1_float32_unit_snippet_is_the_hand_written_unit(tmp_path):
+    """The advice's code for layer ``3``, pasted into a copy of the script before its
+    FSDP(model, ...), trains exactly as the script's own hand-written float32 unit does
+    (--fp32-unit 3), and differs from the float16 run."""
+    from nanhunt.analyse.advise import _fsdp1_fp32
+    from nanhunt.trace import Recommendation
+
+    rec = _fsdp1_fp32(Recommendation(type="fp32_module", value="3", snippet="", module="3",
+                                     evidence=["e"]), ["3"], "", "float16")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from test_fixes import paste
+
+    script = SCRIPTS / "fsdp1_overflow.py"
+    code = rec.snippet.replace("mixed_precision=fp32)",  # as the comment says
+                               "mixed_precision=fp32, device_id=cpu, "
+                               "use_orig_params=not args.flat)")
+    copy = tmp_path / "fsdp1_pasted.py"
+    copy.write_text(paste(script.read_text(), code, after='cpu = torch.device("cpu")'))
+    pasted = _printed(_run(_plain_torchrun(copy), tmp_path).stdout)
+    by_hand = _printed(_run(_plain_torchrun(script, "--fp32-unit", "3"), tmp_path).stdout)
+    half = _printed(_run(_plain_torchrun(script), tmp_path).stdout)
+    assert len(pasted) == 8 and pasted == by_hand
+    assert pasted != half
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ exactly as the snippet's change does. The bf16 and no-hook twins stay quiet.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -307,12 +309,47 @@ def test_sharded_statistics_cross_ranks_in_one_gather_per_step(monkeypatch):
             opt.step()
             opt.zero_grad()
     trace = hunt.trace()
-    assert len(calls) == 3  # one gather a step, for every sharded row and sum of squares
+    # each step: a 3-number header (which tensors, how many rows), then one gather of every
+    # sharded row and sum of squares (not one per tensor)
+    assert len(calls) == 6 and calls[0::2] == [3, 3, 3] and min(calls[1::2]) > 3
     for rec, norm in zip(trace.steps, norms):
         assert rec.grad_norm == pytest.approx(norm * 2 ** 0.5, rel=1e-6)
     layer0 = next(layer for layer in trace.layers if layer.module == "0")
     assert layer0.param_grad_amax_by_step[2] == amax0
     assert not any("reduction across ranks failed" in n for n in trace.notes)
+
+
+def test_ranks_whose_shards_differ_turn_the_reduction_off_without_a_gather_of_unequal_sizes(
+        monkeypatch):
+    """A peer that holds other tensors (or another count of rows): the headers disagree, the
+    rows are never gathered (gloo aborts the process on unequal sizes), and the report says the
+    statistics are this rank's shards'."""
+    from nanhunt.capture import shards
+
+    calls = []
+
+    def all_gather(outs, mine, group=None):
+        calls.append(mine.numel())
+        for i, out in enumerate(outs):
+            out.copy_(mine)
+            if i == 1:
+                out[1] += 1  # the peer has one more row
+
+    monkeypatch.setattr(shards.ShardReducer, "world", lambda self: 2)
+    monkeypatch.setattr(dist, "new_group", lambda **kw: "group")
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    model = _fsdp_model(torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt) as hunt:
+        for step in range(3):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum() \
+                .backward()
+            opt.step()
+            opt.zero_grad()
+    trace = hunt.trace()
+    assert calls == [3]  # the header once; then the reduction is off
+    assert any("differ (not the same parameters)" in n for n in trace.notes), trace.notes
 
 
 def test_the_ladder_reads_a_compression_hook_as_low_precision():
@@ -395,3 +432,28 @@ def test_the_reports_say_how_the_gradient_was_reduced(fp16_run):
     assert any(line.split() == ["reduced", *expected.split()]
                for line in out.getvalue().splitlines())
     assert f"Reduced across ranks: {expected}" in render_html(trace).replace("&#x27;", "'")
+
+
+def test_the_sentinel_does_not_replay_a_sharded_model_and_says_why(tmp_path, capsys):
+    """FSDP2's parameters are DTensors split across the ranks: one rank cannot replay its step
+    alone. The sentinel copies nothing (no deepcopy of the sharded model, which FSDP refuses),
+    reports the trip it saw with no cause, says why the step was not replayed, and writes
+    nothing into the user's stderr."""
+    model = _fsdp_model(torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.sentinel(model, opt, out=tmp_path / "out", stop=False) as hunt:
+        for step in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            loss = model(x * (1e6 if step == 2 else 1.0)).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    trace = hunt.trace()
+    assert "internal error" not in capsys.readouterr().err
+    ff = trace.first_failure
+    assert ff is not None and ff.step == 2 and not ff.observed
+    assert "not replayed" in ff.detail and "DTensor" in ff.detail
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert not report["diagnosis"]["kind"]  # no cause named for what was not observed
+    assert any("split across the ranks" in n for n in trace.notes), trace.notes
+    assert "step not replayed" in (tmp_path / "out" / "report.txt").read_text()
