@@ -30,6 +30,10 @@ A spec names one change a user could make to their training script::
     bf16                        bfloat16 where the script uses float16 (autocast, casts)
     no-scaler                   GradScaler disabled (enabled=False)
     skip-batch=N                at step N, the model and loss modules get step N-1's inputs
+    fp32-lines:FILE:A[-B]       the torch ops written on lines A..B of FILE (a path, or its
+                                end: ``train.py``) in float32 (autocast off, 16-bit inputs cast
+                                up), also inside functions those lines call, not inside the
+                                modules they call (those keep their precision)
     comm-hook:bf16              DDP's gradient all-reduce in bfloat16 where the script
                                 registers fp16_compress_hook (bf16_compress_hook instead)
     comm-hook:none              no DDP communication hook: the script's register_comm_hook
@@ -106,6 +110,8 @@ class FixSpec:
             return self.kind
         if self.kind == "comm-hook":
             return f"comm-hook:{self.op}"
+        if self.kind == "fp32-lines":
+            return f"fp32-lines:{self.patterns[0]}:{self.op}"
         return f"{self.kind}={number(self.value)}"
 
 
@@ -134,6 +140,17 @@ def parse_fix(text: str) -> FixSpec:
     if spec in BARE_KINDS:
         return FixSpec(spec)
     kind, sep, rest = spec.partition(":")
+    if kind == "fp32-lines":
+        path, colon, lines = rest.rpartition(":")
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", lines.strip())
+        if not colon or not path.strip() or m is None:
+            raise NanhuntError(f"--fix {spec}: expected fp32-lines:FILE:LINE or "
+                               "fp32-lines:FILE:FIRST-LAST")
+        first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+        if first < 1 or last < first:
+            raise NanhuntError(f"--fix {spec}: lines run from 1, FIRST <= LAST")
+        return FixSpec("fp32-lines", (path.strip(),),
+                       op=f"{first}-{last}" if last != first else str(first))
     if kind == "comm-hook":
         if rest not in COMM_HOOK_CHOICES:
             raise NanhuntError(f"--fix {spec}: expected comm-hook:bf16 or comm-hook:none")
@@ -170,7 +187,7 @@ def parse_fix(text: str) -> FixSpec:
         f"--fix {spec}: unknown fix (fp32:PATTERN, clamp:PATTERN=V, floor:PATTERN:OP=V, "
         "eps:PATTERN=V, zloss:PATTERN=C, cap:PATTERN=V, opt-eps=V, init-scale=V, "
         "growth-interval=N, clip=V, lr-factor=F, warmup=N, fp32-master, fp32-all, bf16, "
-        "no-scaler, skip-batch=N, comm-hook:bf16|none)")
+        "no-scaler, skip-batch=N, comm-hook:bf16|none, fp32-lines:FILE:A-B)")
 
 
 # ----------------------------------------------------------------------------- snippets
@@ -298,6 +315,67 @@ def add_lr_warmup(optimizer, steps):
 '''
 
 
+FP32_LINES_HELPER = '''\
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_HALF = (torch.float16, torch.bfloat16)
+_MODULE_CALL = ("_call_impl", "_wrapped_call_impl")
+
+
+def _up(x):
+    if torch.is_tensor(x) and x.dtype in _HALF:
+        return x.float()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_up(v) for v in x)
+    return x
+
+
+class Float32Lines(TorchFunctionMode):
+    """Torch ops written on lines `first`..`last` of `file` run in float32:
+    autocast off, 16-bit inputs cast up (also in functions those lines call,
+    not inside the modules they call)."""
+
+    def __init__(self, file, first, last):
+        super().__init__()
+        self.file, self.first, self.last = file, first, last
+
+    def _on_the_lines(self):
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            if code.co_filename.endswith(self.file):
+                return self.first <= frame.f_lineno <= self.last
+            if code.co_name in _MODULE_CALL:
+                return False  # inside a module those lines call
+            frame = frame.f_back
+        return False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self._on_the_lines():
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        in_place = (name.endswith("_") and not name.endswith("__")) or \\
+            name.startswith("__i") or name == "__setitem__"
+        device = next((a.device.type for a in args if torch.is_tensor(a)), "cpu")
+        args = (args[:1] + tuple(_up(a) for a in args[1:])) if in_place \\
+            else tuple(_up(a) for a in args)
+        kwargs = {k: _up(v) for k, v in kwargs.items()}
+        with torch.autocast(device, enabled=False):
+            return func(*args, **kwargs)
+
+
+def keep_lines_in_float32(file, first, last):
+    """From now on, the torch ops on those lines run in float32."""
+    mode = Float32Lines(file, first, last)
+    mode.__enter__()
+    return mode
+'''
+
+
 def snippet(specs: list[FixSpec], ctx: SnippetContext) -> Snippet:
     """The code that makes the same change as installing ``specs``."""
     parts: list[Snippet] = [_one(s, ctx) for s in specs]
@@ -317,6 +395,10 @@ def snippet(specs: list[FixSpec], ctx: SnippetContext) -> Snippet:
 
 def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
     v = number(spec.value)
+    if spec.kind == "fp32-lines":
+        first, _, last = (spec.op or "").partition("-")
+        return Snippet(f"keep_lines_in_float32({_q(spec.patterns[0])}, {first}, {last or first})"
+                       "  # once, before the training loop", FP32_LINES_HELPER)
     if spec.kind == "fp32":
         lines = []
         for i, pattern in enumerate(spec.patterns):

@@ -382,6 +382,12 @@ class Experiments:
     # the --fix spec of the smallest region that removes the failure ("fp32:decoder.2"), or ""
     region: str = ""
     region_text: str = ""  # what the bisection found when it found no region, or why it stopped
+    # the user's line where the control's op-by-op watch saw the first non-finite value made by
+    # an op written there ("train.py:57"; "" when none was, or the op ran inside a module)
+    source_line: str = ""
+    # the source rung: the --fix spec of the narrowest lines whose float32 removed the failure
+    # ("fp32-lines:train.py:56-57"), or ""
+    lines: str = ""
     runs: list[Experiment] = field(default_factory=list)
     not_run: list[str] = field(default_factory=list)  # rungs the budget or Ctrl-C left out
     jobs: int = 1

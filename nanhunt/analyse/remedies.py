@@ -25,14 +25,15 @@ __all__ = ["attach_fixes", "cure_rank", "ladder", "verify_order"]
 _OPTIMIZER_KINDS = ("opt-eps", "lr-factor", "clip", "fp32-master", "warmup")
 #: types a fix spec installs; the others need a code change
 _INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "lower_lr",
-                "fp32_master_weights", "z_loss", "logit_cap", "lr_warmup", "comm_hook",
+                "fp32_master_weights", "fp32_lines", "z_loss", "logit_cap", "lr_warmup", "comm_hook",
                 "no_comm_hook")
 #: which recommendation types re-run verification tries first (most likely to cure first):
 #: a floor removes the invalid op (an eps too, when the module has one), float32 master
 #: weights change only the optimizer's arithmetic (every module still computes in low
 #: precision), a float32 region keeps a module's values, a clamp only bounds a symptom
 _PRIORITY = {"comm_hook": 0, "no_comm_hook": 1,
-             "clamp_op": 0, "eps": 1, "fp32_master_weights": 1, "fp32_module": 2,
+             "clamp_op": 0, "eps": 1, "fp32_master_weights": 1, "fp32_lines": 1,
+             "fp32_module": 2,
              "init_scale": 3, "logit_cap": 3, "z_loss": 3, "lr_warmup": 4,
              "clip_grad_norm": 4, "lower_lr": 5, "clamp": 6}
 _DEFAULT_GROWTH_INTERVAL = 2000
@@ -90,6 +91,8 @@ def specs_for(rec: Recommendation, trace: Trace) -> list[FixSpec]:
         return [parse_fix(f"lr-factor={number(float(rec.value))}")]
     if rec.type == "fp32_master_weights":
         return [parse_fix("fp32-master")]
+    if rec.type == "fp32_lines":
+        return [parse_fix(f) for f in rec.fix]
     if rec.type in ("z_loss", "logit_cap") and rec.module and rec.value:
         kind = "zloss" if rec.type == "z_loss" else "cap"
         return [parse_fix(f"{kind}:{rec.module}={number(float(rec.value))}")]

@@ -51,7 +51,7 @@ from nanhunt.errors import NanhuntError
 from nanhunt.experiment import rungs
 from nanhunt.experiment.curve_fixes import SoftCap, Warmup, ZLoss
 from nanhunt.experiment.rungs import FixMismatch
-from nanhunt.fixspec import FixSpec, number
+from nanhunt.fixspec import MODULE_KINDS, FixSpec, number
 
 __all__ = ["FixMismatch", "Fixes", "RunFixes", "install"]
 
@@ -191,7 +191,7 @@ class Fixes:
         self._comm_hook = next((s for s in self.specs if s.kind == "comm-hook"), None)
         self._comm_hooks_registered = 0
         kinds = {s.kind for s in self.specs}
-        self._module_specs = [s for s in self.specs if s.patterns]
+        self._module_specs = [s for s in self.specs if s.patterns and s.kind in MODULE_KINDS]
         self._optimizer_specs = kinds & {"opt-eps", "lr-factor", "clip", "fp32-master", "warmup"}
         warm = next((s.value for s in self.specs if s.kind == "warmup"), None)
         self._warmup = Warmup(int(warm)) if warm else None
@@ -271,6 +271,10 @@ class Fixes:
                     if not self._names.all:
                         hint = " (no module ran)"
                     return f"--fix {spec}: {pattern!r} matches no module of the model{hint}"
+        for spec in self.specs:
+            if final and spec.kind == "fp32-lines" and not self.applied[str(spec)]:
+                return (f"--fix {spec}: no torch op ran on those lines of a file named like "
+                        f"{spec.patterns[0]!r}")
         if final and self._optimizer_specs and not self._optimizers:
             return self._no_optimizer()
         if final and any(v is not None for v in self._scaler_args.values()) and \

@@ -25,8 +25,10 @@ the experiments contradict loses (:func:`contradiction`), and the report says wh
 
 from __future__ import annotations
 
+import ast
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from nanhunt.analyse.advise import choose_init_scale, clip_value
 from nanhunt.fixspec import number
@@ -36,7 +38,7 @@ from nanhunt.trace import Experiment, Experiments, Finding, Trace
 __all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "contradiction", "failure_step",
            "first_rungs", "half_optimizer", "horizon", "loss_gap", "measured_clip",
            "measured_init_scale", "next_rungs", "outcome", "same_problem", "silent_candidate",
-           "silent_verdict", "uses_low_precision"]
+           "silent_verdict", "source_ranges", "source_rungs", "uses_low_precision"]
 
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
@@ -161,6 +163,56 @@ def half_optimizer(trace: Trace) -> bool:
     return any(d in ("float16", "bfloat16") for o in trace.optimizers for d in o.param_dtypes)
 
 
+_BLOCKS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.For, ast.AsyncFor, ast.While, ast.If,
+           ast.With, ast.AsyncWith, ast.Try)
+
+
+def source_ranges(path: str, line: int) -> list[tuple[int, int]]:
+    """The lines a source rung keeps in float32, narrowest first: the statement holding
+    ``line`` (all its lines), then the innermost block around it (a ``with``, a loop body, a
+    function); one range where they are the same, ``line`` alone where the file cannot be
+    parsed."""
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return [(line, line)]
+    stmt = block = None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.stmt):
+            continue
+        end = node.end_lineno or node.lineno
+        if not node.lineno <= line <= end:
+            continue
+        if isinstance(node, _BLOCKS):
+            if block is None or end - node.lineno < block[1] - block[0]:
+                block = (node.lineno, end)
+        elif stmt is None or end - node.lineno < stmt[1] - stmt[0]:
+            stmt = (node.lineno, end)
+    out = [stmt or (line, line)]
+    if block is not None and block != out[0]:
+        out.append(block)
+    return out
+
+
+def lines_spec(path: str, lines: tuple[int, int]) -> str:
+    a, b = lines
+    return f"fp32-lines:{path}:{a}" + (f"-{b}" if b != a else "")
+
+
+def source_rungs(ex: Experiments) -> list[Rung]:
+    """Where the control's op-by-op watch saw the first non-finite value made by an op written
+    on a user's line (not inside a module): float32 for the ops on that statement, and on the
+    block around it."""
+    path, _, line = ex.source_line.rpartition(":")
+    if not path or not line.isdigit():
+        return []
+    name = Path(path).name
+    return [Rung("lines", (lines_spec(path, r),),
+                 f"does float32 for the ops written on lines {r[0]}-{r[1]} of {name} (not "
+                 "the modules they call) remove the failure?")
+            for r in source_ranges(path, int(line))]
+
+
 def next_rungs(trace: Trace, ex: Experiments) -> list[Rung]:
     """The rungs the first outcomes call for."""
     fp32 = _run(ex, "fp32")
@@ -168,6 +220,7 @@ def next_rungs(trace: Trace, ex: Experiments) -> list[Rung]:
     rungs: list[Rung] = []
     precision = fp32 is not None and fp32.outcome == "trained"
     if precision:
+        rungs += source_rungs(ex)
         if _float16(trace):
             rungs.append(Rung("bf16", ("bf16",), "does bfloat16 (float32's range, fewer "
                                                  "mantissa bits) train?"))
@@ -381,6 +434,14 @@ def _value(e: Experiment) -> str:
     return e.fixes[0].split("=", 1)[1] if e.fixes and "=" in e.fixes[0] else ""
 
 
+def _lines_text(spec: str) -> str:
+    """``fp32-lines:/a/train.py:56-57`` -> ``lines 56-57 of train.py``."""
+    rest = spec.removeprefix("fp32-lines:")
+    path, _, lines = rest.rpartition(":")
+    word = "lines" if "-" in lines else "line"
+    return f"{word} {lines} of {Path(path).name}"
+
+
 def _how(e: Experiment) -> str:
     return e.outcome + (f" at step {e.failure_step}" if e.outcome in ("recurred", "moved") and
                         e.failure_step is not None else "")
@@ -419,6 +480,14 @@ def classify(ex: Experiments, trace: Trace) -> None:
             verdict, mid = "precision-resolution", "the run is bfloat16 already (float32's range)"
         else:  # bfloat16 did not run (the budget) or crashed: range or resolution unknown
             verdict, mid = "precision", "bfloat16 was not tried to completion"
+        if ex.lines:
+            # the locator's line: the ops written there, in float32, are the cure
+            said.append(f"keeping the ops written on {_lines_text(ex.lines)} in float32 "
+                        "removes the failure")
+            narrower = [e for e in ex.runs if e.rung == "lines" and e.outcome in _FAILED]
+            if narrower:
+                said.append(" or ".join(_lines_text(e.fixes[0]) for e in narrower if e.fixes)
+                            + " alone does not")
         if master is not None and master.outcome == "trained":
             # the narrowest change of all: only the optimizer's arithmetic leaves 16 bits
             said.append("float32 master weights and optimizer state remove the failure (the "
@@ -437,6 +506,11 @@ def classify(ex: Experiments, trace: Trace) -> None:
                 said.append(ex.region_text)
         if master is not None and master.outcome in _FAILED:
             said.append(f"float32 master weights alone do not ({_how(master)})")
+        tried = [e for e in ex.runs if e.rung == "lines" and e.outcome in _FAILED]
+        if tried and not ex.lines:  # the failing op's own lines are not where it was lost
+            said.append(f"float32 for the ops written on {_lines_text(tried[-1].fixes[0])} "
+                        f"(where the first non-finite value was made) does not "
+                        f"({_how(tried[-1])})")
     elif fp32 is None or fp32.outcome in _FAILED:
         if fp32 is None:
             said.append("the run used no low-precision format")

@@ -38,12 +38,12 @@ from torch.optim import optimizer as _O
 
 from nanhunt import capture
 from nanhunt._patching import patch
-from nanhunt.fixspec import FixSpec
+from nanhunt.fixspec import FP32_LINES_HELPER, FixSpec
 
 __all__ = ["GLOBAL_KINDS", "FixMismatch", "install"]
 
 #: the kinds this module installs
-GLOBAL_KINDS = ("fp32-all", "bf16", "no-scaler", "skip-batch")
+GLOBAL_KINDS = ("fp32-all", "bf16", "no-scaler", "skip-batch", "fp32-lines")
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _LOW = (torch.float16, torch.bfloat16)
@@ -247,6 +247,25 @@ class _SkipBatch:
         self.depth = max(0, self.depth - 1)
 
 
+def _float32_lines(spec: FixSpec, applied: dict[str, set[str]]) -> Any:
+    """``fp32-lines``: the snippet's own helper (:data:`nanhunt.fixspec.FP32_LINES_HELPER`),
+    run here, so the installed fix is the printed code; ``applied`` records that an op on
+    the lines ran."""
+    namespace: dict[str, Any] = {}
+    exec(compile(FP32_LINES_HELPER, "<nanhunt fp32-lines>", "exec"), namespace)
+    first, _, last = (spec.op or "").partition("-")
+    seen = applied.setdefault(str(spec), set())
+
+    class Watched(namespace["Float32Lines"]):  # type: ignore[misc, valid-type]
+        def _on_the_lines(self) -> bool:
+            on = super()._on_the_lines()
+            if on:
+                seen.add("lines")
+            return on
+
+    return Watched(spec.patterns[0], int(first), int(last or first))
+
+
 def install(specs: list[FixSpec], stack: contextlib.ExitStack,
             applied: dict[str, set[str]]) -> None:
     """Install the whole-program specs among ``specs`` onto ``stack``."""
@@ -261,6 +280,8 @@ def install(specs: list[FixSpec], stack: contextlib.ExitStack,
             _compression(p, str(spec), torch.bfloat16)
         elif spec.kind == "no-scaler":
             _no_scaler(p, str(spec))
+        elif spec.kind == "fp32-lines":
+            stack.enter_context(_float32_lines(spec, applied))
         elif spec.kind == "skip-batch":
             skip = _SkipBatch(int(spec.value or 0), str(spec), applied)
             stack.enter_context(_M.register_module_forward_pre_hook(skip.pre))

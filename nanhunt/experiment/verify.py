@@ -588,7 +588,7 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         pool.run([rung_task(r) for r in first_rungs(trace)], not_run)
         control_facts(ex, trace)
         if ex.control_reproduced:
-            _adopt_located(trace, scratch / "control" / "located.json")
+            _adopt_located(trace, scratch / "control" / "located.json", ex)
         control = [e for e in ex.runs if e.rung == "control"]
         if silent:
             finding = silent_verdict(ex, trace)
@@ -612,9 +612,10 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                 # a precision failure: bisect float32 over the module tree, its first level
                 # beside the other rungs
                 region = _bisect(trace, ex, pool, rungs, rung_task, not_run, reruns, steps)
-                master = _master_recommendation(trace, ex)
-                if master is not None and master not in candidates:
-                    candidates = verify_order([*candidates, master])
+                for made in (_master_recommendation(trace, ex),
+                             _lines_recommendation(trace, ex)):
+                    if made is not None and made not in candidates:
+                        candidates = verify_order([*candidates, made])
                 if region is not None and region.tries[-1].verified:
                     winner.append(region)
                     # only the rules' fixes likelier to cure than a float32 region (a floor, an
@@ -819,6 +820,31 @@ def learning(e: Experiment, ex: Experiments) -> tuple[bool, str] | None:
             f"its loss rose: {span}")
 
 
+def _lines_recommendation(trace: Trace, ex: Experiments) -> Recommendation | None:
+    """The source rung's cure: float32 for the ops written on the narrowest lines whose rung
+    trained (``ex.lines``), as a recommendation whose try is that rung's re-run."""
+    trained = [e for e in ex.runs if e.rung == "lines" and e.outcome == "trained" and e.fixes]
+    if not trained:
+        return None
+    e = trained[0]  # the rungs run narrowest first
+    ex.lines = e.fixes[0]
+    rec = next((r for r in trace.recommendations if r.fix == [ex.lines]), None)
+    if rec is None:
+        rec = Recommendation(
+            type="fp32_lines", value=ex.lines.removeprefix("fp32-lines:"), snippet="",
+            evidence=[f"the control re-run, watched op by op, saw the first non-finite value "
+                      f"made by an op written at {ex.source_line}; with the ops written on "
+                      f"those lines in float32 (autocast off, 16-bit inputs cast up; the "
+                      f"modules they call unchanged) the re-run trained ({e.detail})",
+                      "in your code: cast that computation's inputs with .float() inside "
+                      "torch.autocast(..., enabled=False), or rewrite it so float16 cannot "
+                      "reach the value (log_softmax for log(softmax), a scaled matmul)"],
+            data={"source": "experiment", "lines": ex.lines})
+        set_fix(rec, trace, [parse_fix(ex.lines)])
+        trace.recommendations.append(rec)
+    return rec
+
+
 def _adopt_lr_rung(trace: Trace, ex: Experiments) -> None:
     """A learning-rate recommendation takes the largest factor an lr rung trained with where
     that is less drastic than the rule's estimate (which aims an update-to-weight ratio at
@@ -845,16 +871,22 @@ def _adopt_lr_rung(trace: Trace, ex: Experiments) -> None:
             set_fix(rec, trace, [parse_fix(best.fixes[0])])
 
 
-def _adopt_located(trace: Trace, path: Path) -> None:
+def _adopt_located(trace: Trace, path: Path, ex: Experiments) -> None:
     """Where nanhunt named no op for the first failure (made outside every module, as in a
     loss written by hand), the op the control re-run saw make it, watched op by op at that
-    step (``located.json``; :class:`nanhunt.replay.ops.StepLocator`), and the user's line."""
+    step (``located.json``; :class:`nanhunt.replay.ops.StepLocator`), and the user's line.
+    An op written on the user's line itself (not inside a module) gives the source rung its
+    line (``ex.source_line``)."""
     f = trace.first_failure
     try:
         found = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return
-    if f is None or f.op or found.get("step") != f.step or not found.get("op"):
+    if f is None or found.get("step") != f.step or not found.get("op"):
+        return
+    if found.get("direct") and found.get("source"):
+        ex.source_line = str(found["source"])
+    if f.op:
         return
     f.op = found["op"]
     if found.get("source") and not f.source:

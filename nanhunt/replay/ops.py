@@ -60,6 +60,24 @@ def _user_source(depth: int = 2) -> tuple[str | None, str | None]:
     return None, None
 
 
+_MODULE_CALL = ("_call_impl", "_wrapped_call_impl")
+
+
+def _direct(depth: int = 2) -> bool:
+    """Whether the op that asks was called on a user line itself (through torch's functions,
+    not inside an ``nn.Module`` call the line made): no module call lies between it and the
+    innermost frame outside torch."""
+    frame = sys._getframe(depth)
+    while frame is not None:
+        fname = frame.f_code.co_filename
+        if not (fname.startswith(_TORCH_DIR) or fname.startswith("<")):
+            return True
+        if frame.f_code.co_name in _MODULE_CALL:
+            return False
+        frame = frame.f_back
+    return False
+
+
 def _node_source() -> tuple[str | None, str | None]:
     """In backward: the forward call that created the running autograd node (anomaly mode)."""
     node = torch._C._current_autograd_node()
@@ -257,6 +275,8 @@ class StepLocator(TorchDispatchMode):
         amax = max((float(t.detach().float().abs().amax()) for t in inputs), default=None)
         found = {"step": self.step, "op": name, "phase": "backward" if backward else "forward",
                  "dtype": str(outs[0].dtype).removeprefix("torch."), "source": source,
+                 # written on that line, not inside a module the line calls
+                 "direct": not backward and source is not None and _direct(3),
                  "source_line": line, "input_amax": amax,
                  "input_zeros": sum(int((t == 0).sum()) for t in inputs),
                  "nonfinite": sum(int((~torch.isfinite(t)).sum()) for t in outs),

@@ -209,3 +209,32 @@ def test_the_control_names_the_op_and_line_of_a_failure_outside_every_module(run
     # without the re-runs nothing watched the step: no op is named
     unverified = runs["loss-op-unverified"].result().report["first_failure"]
     assert (unverified["step"], unverified["op"]) == (bad, None)
+
+
+def test_the_source_rung_keeps_the_failing_lines_in_float32(runs):
+    """The op the control named was written on the script's own line (not inside a module):
+    the source rung keeps the ops of that statement, then of the block around it, in float32.
+    Counted by hand from the script's text: log alone in float32 still takes log of a float16
+    softmax that already underflowed to 0; the `with autocast` block (softmax and log) trains.
+    Checked against the script itself with each fix installed here."""
+    script = SCRIPTS / "log_softmax_loss.py"
+    lines = script.read_text().splitlines()
+    (log_line,) = [i + 1 for i, text in enumerate(lines) if "torch.log(" in text]
+    (with_line,) = [i + 1 for i, text in enumerate(lines) if "with torch.autocast" in text]
+    report = runs["loss-op"].result().report
+    ex = report["experiments"]
+    assert ex["source_line"] == f"{script}:{log_line}"
+    tried = {e["fixes"][0]: e["outcome"] for e in ex["runs"] if e["rung"] == "lines"}
+    narrow = f"fp32-lines:{script}:{log_line}"
+    block = f"fp32-lines:{script}:{with_line}-{log_line}"
+    assert tried == {narrow: "recurred", block: "trained"}, tried
+    assert ex["lines"] == block
+    assert ex["verdict_text"].startswith(
+        f"keeping the ops written on lines {with_line}-{log_line} of log_softmax_loss.py in "
+        f"float32 removes the failure; line {log_line} of log_softmax_loss.py alone does not")
+    first = report["recommendations"][0]
+    assert first["type"] == "fp32_lines" and first["fix"] == [block] and first["verified"]
+    # the script agrees
+    assert first_nan(run_script(script)) is not None
+    assert first_nan(run_script(script, fixes=[narrow])) is not None
+    assert first_nan(run_script(script, fixes=[block])) is None

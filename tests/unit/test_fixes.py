@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import runpy
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -175,6 +177,54 @@ def test_fp32_master_equals_its_snippet(tmp_path):
     installed = run_script(script, args, ["fp32-master"])
     assert installed == run_script(copy, args)
     assert installed != run_script(script, args)
+
+
+def _lines_of(text: str, *needles: str) -> list[int]:
+    lines = text.splitlines()
+    return [next(i + 1 for i, t in enumerate(lines) if n in t) for n in needles]
+
+
+def test_fp32_lines_equals_its_snippet(tmp_path):
+    """The ops written on the script's softmax and log lines in float32: installed from
+    outside, and as the printed helper pasted into a copy (the copy's own line numbers, since
+    the helper moves them), the same losses, and not the float16 run's."""
+    script = SCRIPTS / "log_softmax_loss.py"
+    a, b = _lines_of(script.read_text(), "torch.softmax(", "torch.log(")
+    spec = f"fp32-lines:{script.name}:{a}-{b}"
+    snip = snippet([parse_fix(spec)], SnippetContext(device="cpu"))
+    copy = tmp_path / script.name
+    text = paste(script.read_text(), "PLACEHOLDER", after="opt = ", helper=snip.helper)
+    ca, cb = _lines_of(text, "torch.softmax(", "torch.log(")
+    code = snippet([parse_fix(f"fp32-lines:{script.name}:{ca}-{cb}")],
+                   SnippetContext(device="cpu")).code
+    copy.write_text(text.replace("PLACEHOLDER", code.split("#")[0].strip()))
+    installed = run_script(script, [], [spec])
+    # the pasted helper stays entered for the rest of its process: run the copy in its own
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    by_hand = subprocess.run([sys.executable, str(copy)], capture_output=True, text=True,
+                             env=env, check=True).stdout.splitlines()
+    assert installed == by_hand
+    plain = run_script(script)
+    assert installed != plain and "nan" in plain[-1] and "nan" not in installed[-1]
+
+
+def test_fp32_lines_parses_and_refuses_bad_ranges():
+    assert str(parse_fix("fp32-lines:train.py:57")) == "fp32-lines:train.py:57"
+    assert str(parse_fix("fp32-lines:/a/b/train.py:56-57")) == "fp32-lines:/a/b/train.py:56-57"
+    for bad in ("fp32-lines:train.py", "fp32-lines:train.py:9-3", "fp32-lines::3",
+                "fp32-lines:train.py:x"):
+        with pytest.raises(NanhuntError, match="fp32-lines"):
+            parse_fix(bad)
+
+
+def test_fp32_lines_that_run_no_op_say_so():
+    fixes = install([parse_fix("fp32-lines:log_softmax_loss.py:1")])
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            runpy.run_path(str(SCRIPTS / "log_softmax_loss.py"), run_name="__main__")
+    finally:
+        message = fixes.uninstall()
+    assert message is not None and "no torch op ran on those lines" in message
 
 
 @pytest.mark.parametrize(("fix", "message"), [

@@ -16,6 +16,8 @@ from nanhunt.experiment.ladder import (
     measured_init_scale,
     next_rungs,
     outcome,
+    source_ranges,
+    source_rungs,
 )
 from nanhunt.experiment.verify import _adopt_lr_rung, _conditions, judge, learning
 from nanhunt.trace import (
@@ -523,3 +525,29 @@ def test_a_fix_whose_run_does_not_learn_is_not_verified():
     # too few losses before the failure to tell: not applicable, and said so by None
     ex.failure_step = 2
     assert learning(e, ex) is None
+
+
+def test_the_source_rung_widens_from_the_statement_to_the_block_around_it(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n"                       # 1
+                      "for step in range(3):\n"              # 2
+                      "    x = torch.ones(2)\n"              # 3
+                      "    with torch.autocast('cpu'):\n"    # 4
+                      "        p = torch.softmax(\n"         # 5
+                      "            x, dim=-1)\n"             # 6
+                      "        loss = -torch.log(p).sum()\n")  # 7
+    assert source_ranges(str(script), 6) == [(5, 6), (4, 7)]
+    assert source_ranges(str(script), 7) == [(7, 7), (4, 7)]
+    assert source_ranges(str(script), 3) == [(3, 3), (2, 7)]
+    assert source_ranges(str(tmp_path / "gone.py"), 3) == [(3, 3)]
+    t = _original(kind="nan_op")
+    ex = _ladder(t, _rung("fp32", "trained"), _rung("bf16", "trained", "bf16"),
+                 _rung("lines", "recurred", f"fp32-lines:{script}:7", step=3),
+                 _rung("lines", "trained", f"fp32-lines:{script}:4-7"))
+    ex.source_line, ex.lines = f"{script}:7", f"fp32-lines:{script}:4-7"
+    assert [r.fixes for r in source_rungs(ex)] == [(f"fp32-lines:{script}:7",),
+                                                   (f"fp32-lines:{script}:4-7",)]
+    classify(ex, t)
+    assert ex.verdict_text.startswith("keeping the ops written on lines 4-7 of train.py in "
+                                      "float32 removes the failure; line 7 of train.py alone "
+                                      "does not; float32 everywhere removes the failure")
