@@ -241,6 +241,9 @@ class OpRecord:
     # Python numbers the op was called with (``x + 1e-12`` -> [1e-12]): an eps, a fill value
     scalars: list[float] = field(default_factory=list)
     zeros: int = 0  # exact zeros in its floating outputs (a denominator that became 0)
+    # infinite values in its floating inputs: an op that made NaN from them (inf - inf, a
+    # softmax over a row that is -inf throughout) rather than from finite values
+    input_inf: int = 0
 
 
 @dataclass

@@ -1043,6 +1043,35 @@ def _finfo_constant(trace: Trace, ctx: Context, finding: Finding) -> Recommendat
     )
 
 
+def _fix_mask(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
+    """A softmax over a row masked throughout (NaN from -inf inputs, in any precision): the
+    mask must leave every row something to attend to, or use a finite fill."""
+    if not finding.data.get("masked_row"):
+        return None
+    f = trace.first_failure
+    where = f" ({f.source})" if f is not None and f.source else ""
+    snippet = "\n".join([
+        "import torch",
+        "",
+        "# every query must keep at least one key it may attend to: a row masked throughout",
+        "# is 0/0 in softmax, in any precision (a query that is padding, an off-by-one window)",
+        "assert not mask.all(dim=-1).any(), \"a query row has no key left to attend to\"",
+        "",
+        "# or keep such rows finite: mask with the dtype's lowest value instead of -inf (the",
+        "# row then attends uniformly), and zero what those rows produce",
+        "scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)",
+    ])
+    return Recommendation(
+        type="fix_mask", value="a row masked throughout", module=finding.module or None,
+        snippet=snippet,
+        code_change=True,
+        evidence=[f"the softmax{where} got a row whose every entry was -inf: its attention "
+                  "mask blocks every position of that row",
+                  "float32 does not help (exp(-inf) is 0 in every format): the mask or the "
+                  "batch does (a fully padded sequence, an off-by-one window)"],
+        data={"op": finding.data.get("op"), "input_inf": finding.data.get("nan_from_inf")})
+
+
 def _fix_data(trace: Trace, ctx: Context, finding: Finding) -> Recommendation | None:
     samples: dict[str, list[int]] = dict(finding.data.get("samples") or {})
     step = finding.step
@@ -1304,7 +1333,7 @@ ADVICE: dict[str, tuple[Builder, ...]] = {
     "forward-overflow": (_fp32_module, _normalize_input, _clamp),
     "backward-overflow": (_fp32_module, _init_scale, _clip_grad_norm),
     "loss-nan-op": (_clamp, _fp32_module),
-    "forward-nan-op": (_eps, _clamp, _fp32_module),
+    "forward-nan-op": (_fix_mask, _eps, _clamp, _fp32_module),
     "norm-underflow": (_eps, _fp32_module),
     "backward-nan-op": (_clamp, _eps, _fp32_module),
     "optimizer-update": (_lower_lr, _clip_grad_norm),

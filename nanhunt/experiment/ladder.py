@@ -36,7 +36,7 @@ from nanhunt.formats import get_format
 from nanhunt.trace import Experiment, Experiments, Finding, Trace
 
 __all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "contradiction", "failure_step",
-           "first_rungs", "half_optimizer", "horizon", "loss_gap", "measured_clip",
+           "first_rungs", "half_optimizer", "horizon", "lines_runs", "loss_gap", "measured_clip",
            "measured_init_scale", "next_rungs", "outcome", "same_problem", "silent_candidate",
            "silent_verdict", "source_ranges", "source_rungs", "uses_low_precision"]
 
@@ -434,6 +434,21 @@ def _value(e: Experiment) -> str:
     return e.fixes[0].split("=", 1)[1] if e.fixes and "=" in e.fixes[0] else ""
 
 
+def lines_width(spec: str) -> int:
+    """How many lines an ``fp32-lines`` spec keeps in float32 (narrowest first in sorts)."""
+    first, _, last = spec.rpartition(":")[2].partition("-")
+    try:
+        return int(last or first) - int(first) + 1
+    except ValueError:
+        return 0
+
+
+def lines_runs(ex: Experiments) -> list[Experiment]:
+    """The source rung's re-runs, narrowest first (they end in any order)."""
+    return sorted((e for e in ex.runs if e.rung == "lines" and e.fixes),
+                  key=lambda e: lines_width(e.fixes[0]))
+
+
 def _lines_text(spec: str) -> str:
     """``fp32-lines:/a/train.py:56-57`` -> ``lines 56-57 of train.py``."""
     rest = spec.removeprefix("fp32-lines:")
@@ -484,7 +499,8 @@ def classify(ex: Experiments, trace: Trace) -> None:
             # the locator's line: the ops written there, in float32, are the cure
             said.append(f"keeping the ops written on {_lines_text(ex.lines)} in float32 "
                         "removes the failure")
-            narrower = [e for e in ex.runs if e.rung == "lines" and e.outcome in _FAILED]
+            narrower = [e for e in lines_runs(ex) if e.outcome in _FAILED and
+                        lines_width(e.fixes[0]) < lines_width(ex.lines)]
             if narrower:
                 said.append(" or ".join(_lines_text(e.fixes[0]) for e in narrower if e.fixes)
                             + " alone does not")
@@ -506,7 +522,7 @@ def classify(ex: Experiments, trace: Trace) -> None:
                 said.append(ex.region_text)
         if master is not None and master.outcome in _FAILED:
             said.append(f"float32 master weights alone do not ({_how(master)})")
-        tried = [e for e in ex.runs if e.rung == "lines" and e.outcome in _FAILED]
+        tried = [e for e in lines_runs(ex) if e.outcome in _FAILED]
         if tried and not ex.lines:  # the failing op's own lines are not where it was lost
             said.append(f"float32 for the ops written on {_lines_text(tried[-1].fixes[0])} "
                         f"(where the first non-finite value was made) does not "

@@ -39,6 +39,7 @@ from nanhunt.experiment.ladder import (
     failure_step,
     first_rungs,
     horizon,
+    lines_runs,
     loss_gap,
     next_rungs,
     outcome,
@@ -503,6 +504,8 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
 
     reruns: dict[str, tuple[Experiment, Trace | None, int, str]] = {}
 
+    used: dict[str, int] = {}  # re-run folders by rung name
+
     def rung_task(rung: Rung, folder: str | None = None) -> _Task:
         e = Experiment(rung=rung.name, fixes=list(rung.fixes), purpose=rung.purpose,
                        target_steps=steps)
@@ -520,7 +523,10 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                          + f": {_OUTCOME_WORDS.get(e.outcome, e.outcome)}: {e.detail}")
             return False
 
-        task = _Task(rung.name, list(rung.fixes), scratch / (folder or rung.name), done)
+        if folder is None:  # rungs of one name (the source rung's lines) in folders of their own
+            used[rung.name] = used.get(rung.name, 0) + 1
+            folder = rung.name if used[rung.name] == 1 else f"{rung.name}-{used[rung.name]}"
+        task = _Task(rung.name, list(rung.fixes), scratch / folder, done)
         if rung.name == "control" and ex.failure_step is not None:
             # the control's failing step watched op by op: the op and line of a failure
             # outside every module (a hand-written loss), which no module replay can name
@@ -584,6 +590,7 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         return False
 
     tasks_made: list[_Task] = []
+    excluded: dict[int, str] = {}  # id(recommendation) -> why it was not re-run
     try:
         pool.run([rung_task(r) for r in first_rungs(trace)], not_run)
         control_facts(ex, trace)
@@ -623,6 +630,14 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                     candidates = [r for r in candidates if cure_rank(r) < cure_rank(region)]
             else:
                 pool.run(rungs, not_run)
+                if fp32 is not None and fp32.outcome in ("recurred", "moved", "diverged"):
+                    # float32 everywhere is the widest float32 change: no narrower one can cure
+                    for rec in candidates:
+                        if rec.type in _FLOAT32_TYPES:
+                            excluded[id(rec)] = (f"float32 everywhere did not remove the "
+                                                 f"failure ({fp32.outcome}), so no narrower "
+                                                 "float32 change can")
+                    candidates = [r for r in candidates if id(r) not in excluded]
             _adopt_lr_rung(trace, ex)
             # candidates in order of cure: a fix a rung already ran is read again, free; the
             # first of those that trained ends the list, but the likelier cures queued before
@@ -666,7 +681,7 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
     if ex.control_reproduced is False:
         _label_not_reproduced(trace, ex)
         return
-    _label(trace, winner, v)
+    _label(trace, winner, v, excluded)
 
 
 def _bisect(trace: Trace, ex: Experiments, pool: _Pool, first: list[_Task], rung_task: Any,
@@ -823,10 +838,10 @@ def learning(e: Experiment, ex: Experiments) -> tuple[bool, str] | None:
 def _lines_recommendation(trace: Trace, ex: Experiments) -> Recommendation | None:
     """The source rung's cure: float32 for the ops written on the narrowest lines whose rung
     trained (``ex.lines``), as a recommendation whose try is that rung's re-run."""
-    trained = [e for e in ex.runs if e.rung == "lines" and e.outcome == "trained" and e.fixes]
+    trained = [e for e in lines_runs(ex) if e.outcome == "trained"]
     if not trained:
         return None
-    e = trained[0]  # the rungs run narrowest first
+    e = trained[0]  # the narrowest
     ex.lines = e.fixes[0]
     rec = next((r for r in trace.recommendations if r.fix == [ex.lines]), None)
     if rec is None:
@@ -943,10 +958,17 @@ def _code_change_text(rec: Recommendation) -> str:
     return "not verified: needs a change to the code (no --fix installs it)"
 
 
-def _label(trace: Trace, winners: list[Recommendation], v: Verification) -> None:
+#: recommendations that keep something in float32: never re-run where float32 everywhere failed
+_FLOAT32_TYPES = ("fp32_module", "fp32_lines", "fp32_master_weights")
+
+
+def _label(trace: Trace, winners: list[Recommendation], v: Verification,
+           excluded: dict[int, str] | None = None) -> None:
     winner = winners[0] if winners else None
     for rec in trace.recommendations:
-        if rec.tries:
+        if excluded and id(rec) in excluded and not rec.tries:
+            rec.verification = f"not verified: not re-run ({excluded[id(rec)]})"
+        elif rec.tries:
             rec.check = "rerun"
             last = rec.tries[-1]
             if any(rec is w for w in winners):

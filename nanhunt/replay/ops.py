@@ -124,26 +124,36 @@ class OpRecorder(TorchDispatchMode):
             if len(args) > i and isinstance(args[i], torch.Tensor) and \
                     args[i].is_floating_point():
                 args = (*args[:i], args[i].clamp_min(self.op_floor[1]), *args[i + 1:])
-        out = func(*args, **(kwargs or {}))
         if str(getattr(func, "overloadpacket", "")) in _UNINITIALISED:
-            return out
+            return func(*args, **(kwargs or {}))
+        # which kinds of non-finite value the inputs held, before the op (an in-place op
+        # overwrites its input)
+        ins: list = []
+        tensor_leaves((args, kwargs or {}), "", ins)
+        held = _kinds([t for _, t in ins if t.is_floating_point() and t.numel() > 0])
+        input_inf = held[1] + held[2]
+        out = func(*args, **(kwargs or {}))
         leaves: list = []
         tensor_leaves(out, "", leaves)
         floats = [t for _, t in leaves if t.is_floating_point() and t.numel() > 0]
         if not floats:
             return out
-        amax, nonfinite, numel, strong, zeros = 0.0, 0, 0, False, 0
+        amax, nonfinite, numel, zeros = 0.0, 0, 0, 0
         for t in floats:
             f = t.detach().float()
             fin = torch.isfinite(f)
-            bad = int((~fin).sum())
-            nonfinite += bad
+            nonfinite += int((~fin).sum())
             numel += t.numel()
             zeros += int((f == 0).sum())
-            if bad and bool((torch.isnan(f) | (f == math.inf)).any()):
-                strong = True  # NaN or +inf: not a -inf mask being built
             if fin.any():
                 amax = max(amax, float(f.abs().masked_fill(~fin, 0).amax()))
+        made = _kinds(floats)
+        # what the op made that its inputs did not hold: NaN or +inf is a failure (a NaN from
+        # infinite inputs too: inf - inf, 0 x inf, a softmax over a row masked throughout); a
+        # -inf alone is how masks are built (by masked_fill, full, where) unless another op
+        # made it (log(0)); an op that only carried its inputs' values on made nothing
+        nan, pos, neg = (made[i] > 0 and held[i] == 0 for i in range(3))
+        strong = nan or pos
         backward = torch._C._current_graph_task_id() != -1
         source, line = _node_source() if backward else _user_source()
         name = str(getattr(func, "overloadpacket", func))
@@ -151,21 +161,32 @@ class OpRecorder(TorchDispatchMode):
                        phase="backward" if backward else "forward",
                        dtype=str(floats[0].dtype).removeprefix("torch."), amax=amax,
                        nonfinite=nonfinite, numel=numel, source=source,
-                       scalars=_scalars(args, kwargs), zeros=zeros)
+                       scalars=_scalars(args, kwargs), zeros=zeros, input_inf=input_inf)
         if line:
             rec.source = f"{source}  {line}" if source else line
-        # a -inf made by masked_fill/full/where is how masks are built: the first op that
-        # made NaN or +inf is the culprit, unless nothing else went non-finite
-        if nonfinite and self.first is None and (strong or name not in _MASK_OPS):
+        if self.first is None and (strong or (neg and name not in _MASK_OPS)):
             rec.first_nonfinite = True
             self.first = rec
-        elif nonfinite and self.weak is None:
+        elif neg and self.weak is None:
             self.weak = rec
         if len(self.ops) < _MAX_OPS or rec.first_nonfinite:
             self.ops.append(rec)
         else:
             self.dropped += 1
         return out
+
+
+def _kinds(tensors: list) -> tuple[int, int, int]:
+    """How many NaN, +inf and -inf values ``tensors`` hold."""
+    nan = pos = neg = 0
+    for t in tensors:
+        f = t.detach()
+        if bool(torch.isfinite(f).all()):
+            continue
+        nan += int(torch.isnan(f).sum())
+        pos += int((f == math.inf).sum())
+        neg += int((f == -math.inf).sum())
+    return nan, pos, neg
 
 
 def _scalars(args: tuple, kwargs: dict | None) -> list[float]:

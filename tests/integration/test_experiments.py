@@ -228,6 +228,9 @@ def test_the_source_rung_keeps_the_failing_lines_in_float32(runs):
     narrow = f"fp32-lines:{script}:{log_line}"
     block = f"fp32-lines:{script}:{with_line}-{log_line}"
     assert tried == {narrow: "recurred", block: "trained"}, tried
+    # every re-run its own report (the two lines rungs ran at once, in folders of their own)
+    reports = [e["report"] for e in ex["runs"] if e["report"]]
+    assert len(set(reports)) == len(reports), reports
     assert ex["lines"] == block
     assert ex["verdict_text"].startswith(
         f"keeping the ops written on lines {with_line}-{log_line} of log_softmax_loss.py in "

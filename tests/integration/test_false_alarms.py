@@ -90,3 +90,34 @@ def test_allow_inf_pattern_silences_an_intentional_infinity(run_cli, tmp_path):
     assert run_cli("diagnose", "--quiet", str(script)).code == 1
     res = run_cli("diagnose", "--quiet", "--allow-inf", "*.pad", str(script))
     assert res.code == 0, res.stderr
+
+
+def test_a_row_masked_throughout_is_named_and_the_mask_fix_trains(runs, tmp_path):
+    """The planted off-by-one window masks every key of query 0: the replay names the softmax
+    (not a view op that carried the mask's -inf on), the evidence says the row was -inf
+    throughout, and the first advice is the mask's. Applied by hand to a copy (the mask filled
+    with float16's lowest value instead of -inf, as the snippet says), the planted step
+    trains; the script as it is prints nan there."""
+    import subprocess
+    import sys
+
+    report = runs["healthy_mha_mask.py", 3].result().report
+    assert report["first_failure"]["op"] in ("aten._softmax", "aten.softmax")
+    assert any("-inf throughout" in e for e in report["diagnosis"]["evidence"])
+    first = report["recommendations"][0]
+    assert first["type"] == "fix_mask" and first["code_change"]
+    assert "torch.finfo(scores.dtype).min" in first["snippet"]
+    script = EXAMPLES / "healthy_mha_mask.py"
+    copy = tmp_path / script.name
+    copy.write_text(script.read_text().replace(
+        "logits = model(x, mask)",
+        "logits = model(x, torch.zeros(mask.shape).masked_fill(mask, "
+        "torch.finfo(torch.float16).min))"))
+
+    def losses(path):
+        out = subprocess.run([sys.executable, str(path), "--plant", "3", "--steps", "5"],
+                             capture_output=True, text=True, check=True).stdout
+        return [line.split()[-1] for line in out.splitlines()]
+
+    assert losses(script)[3] == "nan"
+    assert "nan" not in losses(copy)

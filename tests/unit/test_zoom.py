@@ -222,3 +222,26 @@ def test_memory_an_op_has_not_written_yet_is_no_ops_doing():
         assert rec.first is None and loc.found() is None
     if not seen:
         pytest.skip("the allocator handed out fresh memory every time: nothing was tested")
+
+
+def test_the_op_that_made_nan_from_a_row_masked_throughout_is_named_not_the_views_of_the_mask():
+    """A float mask built with masked_fill(-inf) (a mask op: the weak candidate), carried on by
+    unsqueeze and add (they make no new kind of non-finite value), then a softmax over a row
+    whose every entry is -inf: the softmax made the NaN, from infinite inputs."""
+    import math
+
+    from nanhunt.replay.ops import OpRecorder
+
+    scores = torch.randn(2, 4, 4)
+    blocked = torch.zeros(4, 4, dtype=torch.bool)
+    blocked[0, :] = True  # query 0 may attend to nothing
+    with OpRecorder() as rec:
+        mask = torch.zeros(4, 4).masked_fill(blocked, -math.inf).unsqueeze(0)
+        probs = torch.softmax(scores + mask, dim=-1)
+    assert torch.isnan(probs[:, 0]).all() and not torch.isnan(probs[:, 1:]).any()
+    assert rec.first is not None and rec.first.op == "aten._softmax", rec.first
+    assert rec.first.input_inf == 8  # the two samples' row 0, 4 keys each
+    assert rec.weak is not None and rec.weak.op == "aten.masked_fill"
+    # an op that only carried the -inf on is not where it was made
+    carried = [o.op for o in rec.ops if o.nonfinite and not o.first_nonfinite]
+    assert "aten.unsqueeze" in carried and "aten.add" in carried

@@ -60,6 +60,12 @@ def failure_op(trace: Trace) -> str | None:
     return parts[0] if parts else None
 
 
+def is_softmax(op: str | None) -> bool:
+    """An op that normalises a row by its exponentials (softmax, log_softmax, attention)."""
+    return bool(op) and ("softmax" in op or op.startswith("_scaled_dot_product")
+                         or op == "scaled_dot_product_attention")
+
+
 def _op_input_amax(ctx: Context) -> float | None:
     """Largest finite result of the replayed ops before the first non-finite one."""
     phase = ctx.failure.phase if ctx.failure is not None else "forward"
@@ -178,6 +184,19 @@ def _classify_forward(ctx: Context) -> _Class:
     if op:
         src = f" at {f.source}" if f.source else ""
         evidence.append(f"the replay names aten.{op}{src} as the op that made it")
+        first = next((o for o in ctx.trace.ops if o.first_nonfinite), None)
+        if first is not None and first.input_inf and s.nan:
+            # NaN made from infinite inputs: inf - inf, 0 x inf, a row masked throughout
+            data["nan_from_inf"] = first.input_inf
+            if is_softmax(op):
+                data["masked_row"] = True
+                evidence.append(
+                    f"its inputs held {first.input_inf} infinite values and no NaN: a softmax "
+                    "over a row that is -inf throughout (every position masked) is 0/0, NaN "
+                    "in any precision")
+            else:
+                evidence.append(f"its inputs held {first.input_inf} infinite values and no "
+                                "NaN: it made NaN from them (inf - inf, 0 x inf)")
     data["large"] = large
 
     strong = any(x in large for x in ("output", "input", "op input"))
