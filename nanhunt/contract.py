@@ -52,12 +52,25 @@ __all__ = [
     "rng_kept",
     "rng_state",
     "set_rng_state",
+    "sharded_how",
 ]
 
 #: the default cap on what one replay copies (bytes); ``NANHUNT_REPLAY_MAX_BYTES`` overrides it
 DEFAULT_MAX_COPY_BYTES = 4 * 2**30
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")
+
+
+def sharded_how(module: Any) -> str:
+    """How ``module``'s weights are split across ranks (FSDP1, FSDP2, tensor parallelism's
+    DTensors), or "" when every rank holds them whole: one rank cannot copy or replay such a
+    module alone (its forward gathers the weights with collectives its peers are not in)."""
+    for m in module.modules():
+        if type(m).__name__ == "FullyShardedDataParallel":
+            return "sharded by FSDP (FullyShardedDataParallel)"
+    if any(type(p).__name__ == "DTensor" for p in module.parameters()):
+        return "sharded by FSDP2 or tensor parallelism (DTensor parameters)"
+    return ""
 
 
 class CopyRefused(NanhuntError):

@@ -81,6 +81,16 @@ def _origin_key(ff: Failure) -> tuple[int, int]:
     return ff.step, _PHASE_ORDER.get(ff.phase, len(PHASES))
 
 
+def _position(ff: Failure, order: list[str]) -> int:
+    """Where in its step a failure was observed: the module's place in the forward's order
+    of completion (reversed in backward, where gradients flow from the last module); an
+    unknown module last."""
+    if ff.module not in order:
+        return len(order)
+    i = order.index(ff.module)
+    return len(order) - 1 - i if ff.phase == "backward" else i
+
+
 def _same_place(a: Failure, b: Failure) -> bool:
     return (a.step, a.phase, a.module, a.tensor) == (b.step, b.phase, b.module, b.tensor)
 
@@ -118,8 +128,12 @@ def merge_traces(
         for r, res in sorted(answered.items())
         if res.trace.first_failure is not None
     }
+    # modules in the order their forward calls completed (the same model on every rank): on a
+    # tie of step and phase, the rank whose failure the step reached first is the origin
+    order = [layer.module for layer in answered[min(answered)].trace.layers]
     if failing:
-        base_rank = min(failing, key=lambda r: (*_origin_key(failing[r]), r))
+        base_rank = min(failing, key=lambda r: (*_origin_key(failing[r]),
+                                                _position(failing[r], order), r))
     else:
         with_problem = [r for r, res in sorted(answered.items()) if res.trace.problem]
         base_rank = with_problem[0] if with_problem else min(answered)
@@ -182,10 +196,20 @@ def _name_origin(
         )
         text = f"{who} failed alike, at {first.where()}: not one rank's data or shard"
     elif len(tied) > 1:
-        text = (
-            f"{_rank_list(tied)} failed in the same step and phase ({place}), at different "
-            f"places; rank {origin}, the lowest, is shown"
-        )
+        order = [layer.module for layer in answered[min(answered)].trace.layers]
+        earlier = [r for r in tied if _position(failing[r], order) < min(
+            _position(failing[q], order) for q in tied if q != r)]
+        if earlier == [origin]:
+            later = ", ".join(f"rank {r} at {failing[r].module or failing[r].tensor}"
+                              for r in tied if r != origin)
+            text = (f"{_rank_list(tied)} failed in the same step and phase ({place}), at "
+                    f"different places; rank {origin}'s, at {first.module or first.tensor}, "
+                    f"came first in the step ({later} after it)")
+        else:
+            text = (
+                f"{_rank_list(tied)} failed in the same step and phase ({place}), at different "
+                f"places; rank {origin}, the lowest, is shown"
+            )
     else:
         others = []
         for r in sorted(answered):

@@ -9,6 +9,7 @@ import torch
 
 from nanhunt import stats as _stats
 from nanhunt.capture._util import _safe, _skip
+from nanhunt.capture.shards import is_sharded
 from nanhunt.capture.state import Part, _Meta
 
 #: autograd nodes walked per backward to find down-casts (a bound on the cost per step)
@@ -133,10 +134,12 @@ class AutogradObserver(Part):
             return
         comm = getattr(self.s, "comm", None)
         # a sharded FSDP2 parameter's gradient is the reduce-scatter's output
-        sharded = comm is not None and comm.fsdp_reduction(p, f"{name}.grad")
+        reduced = comm is not None and comm.fsdp_reduction(p, f"{name}.grad")
+        # a tensor-parallel gradient is a shard too (reduced across ranks), of the backward
+        sharded = reduced or is_sharded(g)
         self.rec.queue(g, _Meta(
             step=self.s._step, order=self.cur.next_order(),
-            phase="communication" if sharded else "backward", module=owner,
+            phase="communication" if reduced else "backward", module=owner,
             tensor=f"{name}.grad", role="param_grad", dtype=str(g.dtype).removeprefix("torch."),
             shape=tuple(g.shape), owner=owner, sharded=sharded,
         ))

@@ -86,6 +86,7 @@ class CommObserver(Part):
         self._units_seen: set[int] = set()
         # id(sharded parameter) -> (the unit's name, its reduce dtype)
         self._fsdp_params: dict[int, tuple[str, str | None]] = {}
+        self._not_fsdp: set[int] = set()  # DTensor parameters no FSDP2 unit manages (TP)
         # FSDP1: id(parameter) -> (the unit's name, its reduce dtype)
         self.fsdp1_params: dict[int, tuple[str, str | None]] = {}
 
@@ -165,12 +166,17 @@ class CommObserver(Part):
         reduce-scatter's output (its row then belongs to the communication phase)."""
         if type(p).__name__ != "DTensor":
             return False
+        if id(p) in self._not_fsdp:
+            return False
         entry = self._fsdp_params.get(id(p))
         if entry is None:
             self.find_units()
-            entry = self._fsdp_params.get(id(p), ("", None))
+            entry = self._fsdp_params.get(id(p))
+        if entry is None:  # a DTensor of tensor parallelism: no reduce-scatter made it
+            self._not_fsdp.add(id(p))
+            return False
         unit, reduce_dtype = entry
-        where = f" of {unit or '<root>'}" if unit or id(p) in self._fsdp_params else ""
+        where = f" of {unit or '<root>'}"
         self.s.judge.reductions[tensor] = (f"FSDP2 reduce-scatter{where}", reduce_dtype)
         return True
 

@@ -489,8 +489,13 @@ class Session:
         failure = copy.deepcopy(self.first_failure)
         if failure is not None and self.failure_extra.get("bad_samples"):
             failure.bad_samples = dict(self.failure_extra["bad_samples"])
+        if failure is not None and self.failure_extra.get("snapshot_error"):
+            notes_extra = [f"the culprit was not copied for an op-level replay: "
+                           f"{self.failure_extra['snapshot_error']}"]
+        else:
+            notes_extra = []
         notes = [f"nanhunt stopped tracing after an internal error: {e}"
-                 for e in self.internal_errors]
+                 for e in self.internal_errors] + notes_extra
         compiled = sorted(getattr(getattr(self, "modules", None), "compiled", ()))
         if self.recorder.reducer.failed:
             notes.append(

@@ -33,8 +33,16 @@ __all__ = ["ShardReducer", "is_sharded"]
 
 
 def is_sharded(t: object) -> bool:
-    """A DTensor (FSDP2, tensor parallel): this rank holds one shard of it."""
-    return type(t).__name__ == "DTensor"
+    """A DTensor split across the ranks (FSDP2, tensor parallel's Shard placements): this rank
+    holds one shard of it. A DTensor replicated on every rank (tensor parallel's Replicate: a
+    row-parallel layer's bias) holds the whole tensor on each: not sharded (adding the ranks'
+    statistics would count it once per rank)."""
+    if type(t).__name__ != "DTensor":
+        return False
+    placements = getattr(t, "placements", None)
+    if not placements:
+        return True
+    return any(type(pl).__name__ in ("Shard", "_StridedShard") for pl in placements)
 
 
 def _names_key(names: Sequence[str]) -> float:

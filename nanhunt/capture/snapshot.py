@@ -17,7 +17,7 @@ from nanhunt.capture._util import (
     map_tensors,
 )
 from nanhunt.capture.state import Part, Snapshot, _Call, _StepData
-from nanhunt.contract import Copies, isolated, nbytes
+from nanhunt.contract import Copies, isolated, nbytes, sharded_how
 
 
 class Snapshots(Part):
@@ -49,6 +49,11 @@ class Snapshots(Part):
             idx = self.cur.lookup(t)
             if idx is None and _stats.summarizable(t) and id(t) in self.cur.seen:
                 stale.append(path)
+        sharded = sharded_how(call.module)
+        if sharded:  # its forward gathers weights with collectives: no rank replays it alone
+            self.s.failure_extra["snapshot_error"] = (
+                f"{call.name} is {sharded}: one rank cannot replay it alone")
+            return
         try:
             module = copy.deepcopy(call.module)
             args = _clone_tree(call.args)

@@ -23,7 +23,7 @@ from nanhunt.capture import session as _session
 from nanhunt.capture._util import _call_leaves, _leaves, _version, map_tensors
 from nanhunt.capture.keep import StepKeep
 from nanhunt.capture.session import Hunt
-from nanhunt.contract import Copies, CopyRefused, isolated
+from nanhunt.contract import Copies, CopyRefused, isolated, sharded_how
 
 __all__ = ["Held", "Replay", "TripAnalyst", "replay_step"]
 
@@ -70,17 +70,6 @@ def _unwrap_compiled(m: nn.Module) -> tuple[nn.Module, bool]:
     return m, False
 
 
-def _sharded(module: nn.Module) -> str:
-    """How ``module``'s weights are sharded across ranks (FSDP1, FSDP2 or tensor parallel's
-    DTensors), or "" when every rank holds them whole."""
-    for m in module.modules():
-        if type(m).__name__ == "FullyShardedDataParallel":
-            return "sharded by FSDP (FullyShardedDataParallel)"
-    if any(type(p).__name__ == "DTensor" for p in module.parameters()):
-        return "sharded by FSDP2 or tensor parallelism (DTensor parameters)"
-    return ""
-
-
 def hold(sentinel: Any, keep: StepKeep, scale: float | None) -> Held:
     """Copy what a replay of ``keep``'s step needs before the step's update overwrites it
     (:class:`~.contract.CopyRefused` above the cap)."""
@@ -94,7 +83,7 @@ def hold(sentinel: Any, keep: StepKeep, scale: float | None) -> Held:
             continue
         inner, compiled = _unwrap_compiled(c.module)
         label = sentinel.naming.names.get(c.module) or type(c.module).__name__
-        sharded = _sharded(inner)
+        sharded = sharded_how(inner)
         if sharded:
             raise CopyRefused(
                 f"{label} is {sharded}: its weights are split across the ranks, so one rank "

@@ -110,6 +110,27 @@ def test_a_tie_at_different_places_names_the_lowest_rank():
     assert "ranks 0, 1 failed in the same step and phase" in merged.diagnosis.evidence[0]
 
 
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_tie_goes_to_the_rank_whose_failure_the_step_reached_first(phase):
+    """Tensor parallelism: rank 1's shard of layer ``2`` overflowed, rank 0 saw the inf only
+    in the model's output after the all-reduce. In forward the module that completed first
+    (``2`` before ``model``) is the origin; in backward the gradients flow the other way."""
+    from nanhunt.trace import LayerStats
+
+    def trace(module: str) -> Trace:
+        t = _trace(_failure(3, phase, module))
+        t.layers = [LayerStats(module=m, type="T") for m in ("0", "2", "3", "model")]
+        return t
+
+    merged = merge_traces([RankResult(0, trace("model")), RankResult(1, trace("2"))], 2)
+    if phase == "forward":
+        assert merged.first_failure.rank == 1 and merged.first_failure.module == "2"
+        assert "rank 1's, at 2, came first in the step (rank 0 at model after it)" in \
+            merged.diagnosis.evidence[0]
+    else:
+        assert merged.first_failure.rank == 0 and merged.first_failure.module == "model"
+
+
 def test_no_failure_anywhere_keeps_rank_0():
     merged = merge_traces([RankResult(1, _trace(steps=5)), RankResult(0, _trace(steps=4))], 2)
     assert merged.first_failure is None
@@ -602,6 +623,30 @@ def test_the_fsdp1_float32_unit_snippet_is_the_hand_written_unit(tmp_path):
     half = _printed(_run(_plain_torchrun(script), tmp_path).stdout)
     assert len(pasted) == 8 and pasted == by_hand
     assert pasted != half
+
+
+@pytest.mark.slow
+def test_tensor_parallel_overflow_names_the_shard_that_made_it_and_the_whole_norm(tmp_path):
+    """parallelize_module (column- then row-parallel linears, float16 autocast): the layer
+    whose shard overflowed on rank 1 is the origin (rank 0 saw the inf only after the
+    row-parallel all-reduce), the gradient norm counts each shard once and a replicated bias
+    once (the script's own full_tensor() norm), and the sharded model is not replayed on one
+    rank (said, not raised)."""
+    proc = _run(_torchrun("--quiet", "--out", "out", str(SCRIPTS / "tp_overflow.py"),
+                          "--plant"), tmp_path)
+    assert "internal error" not in proc.stderr, proc.stderr
+    report = _report(tmp_path / "out")
+    ff = report["first_failure"]
+    assert (ff["rank"], ff["step"], ff["phase"], ff["module"], ff["op"]) == (
+        1, 2, "forward", "2", "aten.mul"), proc.stderr
+    assert report["diagnosis"]["kind"] == "overflow"
+    printed = _printed(proc.stdout)
+    for r in (0, 1):
+        for step in (0, 1):
+            got = report["ranks"][r]["steps"][step]["grad_norm"]
+            assert got == pytest.approx(printed[(r, step)][1], rel=1e-6)
+    assert not any("raised" in n for n in report["notes"]), report["notes"]
+    assert any("cannot replay it alone" in n for n in report["notes"]), report["notes"]
 
 
 @pytest.mark.slow

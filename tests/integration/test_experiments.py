@@ -32,6 +32,10 @@ def prefetch(cli) -> dict:
                               verify=True),
         "loss-op-unverified": cli.submit("diagnose", "--quiet", SCRIPTS / "log_softmax_loss.py"),
         "loss-op-plain": cli.python(SCRIPTS / "log_softmax_loss.py"),
+        "scores": cli.submit("diagnose", "--quiet", SCRIPTS / "attention_by_hand.py", "--plant",
+                             "scores", "--steps", "5", verify=True),
+        "padded": cli.submit("diagnose", "--quiet", SCRIPTS / "attention_by_hand.py", "--plant",
+                             "padded", "--steps", "5"),
         "healthy-plain": cli.python(SCRIPTS / "precision_paths.py", "--steps", "24"),
     }
 
@@ -241,3 +245,42 @@ def test_the_source_rung_keeps_the_failing_lines_in_float32(runs):
     assert first_nan(run_script(script)) is not None
     assert first_nan(run_script(script, fixes=[narrow])) is not None
     assert first_nan(run_script(script, fixes=[block])) is None
+
+
+def test_the_source_rung_names_the_overflowing_line_of_a_hand_written_attention(runs):
+    """A second architecture: attention written by hand in the model's own forward, whose
+    ``q @ k^T`` line overflows float16. The control's watch names that line (counted by hand
+    from the script's text); float32 for its ops alone trains, cited first and verified; the
+    script with that fix installed here prints no nan, without it does."""
+    script = SCRIPTS / "attention_by_hand.py"
+    lines = script.read_text().splitlines()
+    (line,) = [i + 1 for i, t in enumerate(lines) if "att = (q @ k.transpose(-2, -1))" in t]
+    report = runs["scores"].result().report
+    ex = report["experiments"]
+    assert ex["source_line"] == f"{script}:{line}"
+    assert ex["lines"] == f"fp32-lines:{script}:{line}"
+    assert ex["verdict_text"].startswith(f"keeping the ops written on line {line} of "
+                                         "attention_by_hand.py in float32 removes the failure")
+    first = report["recommendations"][0]
+    assert first["type"] == "fp32_lines" and first["verified"]
+    args = ["--plant", "scores", "--steps", "5"]
+    assert first_nan(run_script(script, args)) == 3
+    assert first_nan(run_script(script, args, fixes=[ex["lines"]])) is None
+
+
+def test_a_hand_written_attention_row_padded_throughout_gets_the_mask_advice(runs):
+    """A second architecture for a row masked throughout: the softmax on the script's line is
+    named, with the evidence; the first advice is the mask's, and its finite fill (the
+    script's --fill finfo, the snippet's torch.finfo(att.dtype).min) trains where -inf does
+    not."""
+    script = SCRIPTS / "attention_by_hand.py"
+    lines = script.read_text().splitlines()
+    (line,) = [i + 1 for i, t in enumerate(lines) if "att = torch.softmax(att" in t]
+    report = runs["padded"].result().report
+    f = report["first_failure"]
+    assert (f["step"], f["op"], f["source"]) == (3, "aten._softmax", f"{script}:{line}")
+    assert any("-inf throughout" in e for e in report["diagnosis"]["evidence"])
+    assert report["recommendations"][0]["type"] == "fix_mask"
+    args = ["--plant", "padded", "--steps", "5"]
+    assert first_nan(run_script(script, args)) == 3
+    assert first_nan(run_script(script, [*args, "--fill", "finfo"])) is None

@@ -457,3 +457,18 @@ def test_the_sentinel_does_not_replay_a_sharded_model_and_says_why(tmp_path, cap
     assert not report["diagnosis"]["kind"]  # no cause named for what was not observed
     assert any("split across the ranks" in n for n in trace.notes), trace.notes
     assert "step not replayed" in (tmp_path / "out" / "report.txt").read_text()
+
+
+def test_a_replicated_dtensor_is_whole_on_every_rank_and_a_sharded_one_is_a_shard():
+    """Tensor parallelism replicates a row-parallel layer's bias: each rank's local tensor is
+    the whole of it, and adding the ranks' sums of squares would count it once per rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from nanhunt.capture.shards import is_sharded
+
+    mesh = init_device_mesh("cpu", (1,))
+    t = torch.randn(4, 4)
+    assert is_sharded(distribute_tensor(t, mesh, [Shard(0)]))
+    assert not is_sharded(distribute_tensor(t, mesh, [Replicate()]))
+    assert not is_sharded(t)
