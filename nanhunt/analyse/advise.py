@@ -1273,16 +1273,23 @@ def _fsdp_fp32(rec: Recommendation, trace: Trace) -> Recommendation:
             policy_arg = ("MixedPrecisionPolicy(param_dtype=torch.float32, "
                           f"reduce_dtype=torch.float32, output_dtype=torch.{cast})")
         lines.append(f"fully_shard({_fsdp_ref(module)}, mp_policy={policy_arg})")
+    return _policy_change(rec, lines, f"{region[0]} runs in FSDP2 unit {name or '<root>'}, "
+                          f"whose MixedPrecisionPolicy casts its weights to {param}: autocast "
+                          "cannot change that, the policy must (units of their own, in float32)",
+                          {"unit": name, "policy": dict(policy)})
+
+
+def _policy_change(rec: Recommendation, lines: list[str], why: str,
+                   data: dict[str, object]) -> Recommendation:
+    """``rec`` (float32 for a region) as a code change to the FSDP policy: ``lines`` of code,
+    ``why`` in place of its autocast evidence."""
     rec.type = "fsdp_policy"
     rec.fix = []
     rec.snippet = "\n".join(lines)
     rec.helper = ""
     rec.code_change = True
-    rec.evidence = [*rec.evidence[:-1],
-                    f"{region[0]} runs in FSDP2 unit {name or '<root>'}, whose "
-                    f"MixedPrecisionPolicy casts its weights to {param}: autocast cannot "
-                    "change that, the policy must (units of their own, in float32)"]
-    rec.data = {**rec.data, "unit": name, "policy": dict(policy)}
+    rec.evidence = [*rec.evidence[:-1], why]
+    rec.data = {**rec.data, **data}
     return rec
 
 
@@ -1310,17 +1317,10 @@ def _fsdp1_fp32(rec: Recommendation, region: list[str], unit: str,
             f"unit.register_forward_hook(lambda m, args, out: out.to(torch.{param}))",
             f"setattr(model.get_submodule({_q(parent)}), {_q(child)}, unit)",
         ]
-    rec.type = "fsdp_policy"
-    rec.fix = []
-    rec.snippet = "\n".join(lines)
-    rec.helper = ""
-    rec.code_change = True
-    rec.evidence = [*rec.evidence[:-1],
-                    f"{region[0]} runs in FSDP1 unit {unit or '<root>'}, whose MixedPrecision "
-                    f"casts its weights to {param}: autocast cannot change that, an FSDP unit "
-                    "of its own in float32 can"]
-    rec.data = {**rec.data, "unit": unit, "api": "FSDP1"}
-    return rec
+    return _policy_change(rec, lines, f"{region[0]} runs in FSDP1 unit {unit or '<root>'}, "
+                          f"whose MixedPrecision casts its weights to {param}: autocast cannot "
+                          "change that, an FSDP unit of its own in float32 can",
+                          {"unit": unit, "api": "FSDP1"})
 
 
 ADVICE: dict[str, tuple[Builder, ...]] = {

@@ -278,23 +278,32 @@ def test_an_fsdp2_reduce_scatter_in_float16_that_overflows_is_explained_with_the
     assert 'fully_shard(model.get_submodule("0"), mp_policy=policy)' in rec.snippet
 
 
-def test_sharded_statistics_cross_ranks_in_one_gather_per_step(monkeypatch):
-    """FSDP2 on one rank, with a stand-in peer holding an identical shard: every step gathers
-    once (not once per tensor), the gradient norm's sums of squares add up across the ranks
-    and the module's largest |gradient| is the larger of the shards'."""
+def _stand_in_peer(monkeypatch, change=None) -> list[int]:
+    """A second rank that sends what this one sends (``change`` edits its copy): the sizes of
+    the gathers run are appended to the list returned."""
     from nanhunt.capture import shards
 
-    calls = []
+    calls: list[int] = []
 
     def all_gather(outs, mine, group=None):
         calls.append(mine.numel())
-        for out in outs:
+        for i, out in enumerate(outs):
             out.copy_(mine)
+            if i == 1 and change is not None:
+                change(out)
 
     monkeypatch.setattr(shards.ShardReducer, "world", lambda self: 2)
     monkeypatch.setattr(dist, "new_group", lambda **kw: "group")
     monkeypatch.setattr(dist, "all_gather", all_gather)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    return calls
+
+
+def test_sharded_statistics_cross_ranks_in_one_gather_per_step(monkeypatch):
+    """FSDP2 on one rank, with a stand-in peer holding an identical shard: every step gathers
+    once (not once per tensor), the gradient norm's sums of squares add up across the ranks
+    and the module's largest |gradient| is the larger of the shards'."""
+    calls = _stand_in_peer(monkeypatch)
     model = _fsdp_model(torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     norms = []
@@ -324,21 +333,10 @@ def test_ranks_whose_shards_differ_turn_the_reduction_off_without_a_gather_of_un
     """A peer that holds other tensors (or another count of rows): the headers disagree, the
     rows are never gathered (gloo aborts the process on unequal sizes), and the report says the
     statistics are this rank's shards'."""
-    from nanhunt.capture import shards
+    def one_more_row(peer):
+        peer[1] += 1
 
-    calls = []
-
-    def all_gather(outs, mine, group=None):
-        calls.append(mine.numel())
-        for i, out in enumerate(outs):
-            out.copy_(mine)
-            if i == 1:
-                out[1] += 1  # the peer has one more row
-
-    monkeypatch.setattr(shards.ShardReducer, "world", lambda self: 2)
-    monkeypatch.setattr(dist, "new_group", lambda **kw: "group")
-    monkeypatch.setattr(dist, "all_gather", all_gather)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    calls = _stand_in_peer(monkeypatch, one_more_row)
     model = _fsdp_model(torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with nanhunt.watch(model, opt) as hunt:
