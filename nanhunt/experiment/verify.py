@@ -979,6 +979,9 @@ def _label(trace: Trace, winners: list[Recommendation], v: Verification,
                 elif len(rec.tries) > 1:
                     rec.verification += (f" (re-run {len(rec.tries)} of the search; narrower "
                                          "fixes did not train)")
+            elif last.verified:  # it trained too, but a likelier cure was verified first
+                rec.verification = ("not verified: another fix was verified first; this one's "
+                                    f"re-run trained too ({last.reason})")
             else:
                 rec.verification = f"not verified: {len(rec.tries)} re-run" + \
                     ("s" if len(rec.tries) != 1 else "") + f" did not train ({last.reason})"

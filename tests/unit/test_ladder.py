@@ -19,7 +19,7 @@ from nanhunt.experiment.ladder import (
     source_ranges,
     source_rungs,
 )
-from nanhunt.experiment.verify import _adopt_lr_rung, _conditions, judge, learning
+from nanhunt.experiment.verify import _adopt_lr_rung, _conditions, _label, judge, learning
 from nanhunt.trace import (
     Experiment,
     Experiments,
@@ -551,3 +551,22 @@ def test_the_source_rung_widens_from_the_statement_to_the_block_around_it(tmp_pa
     assert ex.verdict_text.startswith("keeping the ops written on lines 4-7 of train.py in "
                                       "float32 removes the failure; line 7 of train.py alone "
                                       "does not; float32 everywhere removes the failure")
+
+
+def test_a_fix_that_trained_after_another_was_verified_is_not_said_to_have_failed():
+    from nanhunt.trace import Verification
+
+    won = Recommendation(type="lr_warmup", value=2000, snippet="", fix=["warmup=2000"])
+    also = Recommendation(type="lower_lr", value=0.1, snippet="", fix=["lr-factor=0.1"])
+    lost = Recommendation(type="z_loss", value=1e-4, snippet="", fix=["zloss:9=0.0001"])
+    won.tries = [FixTry(fixes=won.fix, verified=True, reason="25 steps")]
+    also.tries = [FixTry(fixes=also.fix, verified=True, reason="25 steps, held: learned")]
+    lost.tries = [FixTry(fixes=lost.fix, verified=False, reason="its loss rose")]
+    t = _original()
+    t.recommendations = [won, also, lost]
+    _label(t, [won], Verification())
+    assert won.verified and won.verification.startswith("verified by re-run")
+    assert not also.verified
+    assert also.verification.startswith("not verified: another fix was verified first; this "
+                                        "one's re-run trained too")
+    assert lost.verification == "not verified: 1 re-run did not train (its loss rose)"
