@@ -22,6 +22,7 @@ import os
 import select
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -822,11 +823,18 @@ def learning(e: Experiment, ex: Experiments) -> tuple[bool, str] | None:
     control = next((x for x in ex.runs if x.rung == "control"), None)
     if control is None or ex.failure_step is None:
         return None
-    before = _drop(control.losses[: ex.failure_step])
+    losses = control.losses[: ex.failure_step]
+    before = _drop(losses)
     after = _drop(e.losses)
     if before is None or after is None:
         return None
-    noise = 2 * (ex.spread or 0.0)
+    # the noise of the drop: the control's own step-to-step scatter, for means of k losses
+    # (a deterministic control has no spread against the original, but a noisy loss still
+    # falls or rises by chance), and twice the control's spread against the original
+    k = max(1, min(5, len(losses) // 4))
+    diffs = [b - a for a, b in zip(losses, losses[1:])]  # type: ignore[operator]
+    scatter = statistics.pstdev(diffs) / math.sqrt(k) if len(diffs) >= 3 else 0.0
+    noise = 2 * max(ex.spread or 0.0, scatter)
     span = f"{_loss_span(e.losses)}"
     if before > noise:
         return (after > 0, f"it did not learn: its loss went {span} while the control's fell "

@@ -522,6 +522,12 @@ def test_a_fix_whose_run_does_not_learn_is_not_verified():
     result, e = _fix([2.0 + 0.06 * i for i in range(24)])
     _conditions(result, e, ex)
     assert not result.verified and "its loss rose: 2 -> 3.38" in result.reason
+    # a noisy control that fell by chance (first two 2.15, last two 2.05, while its steps jump
+    # by 0.3) was not learning: its drop is inside its own scatter, and a flat fix is fine
+    ex.runs[0].losses = [2.0, 2.3, 2.0, 2.3, 2.0, 2.3, 1.8, 2.3] + [math.nan]
+    result, e = _fix(flat)
+    _conditions(result, e, ex)
+    assert result.verified and result.conditions["learned"] is True
     # too few losses before the failure to tell: not applicable, and said so by None
     ex.failure_step = 2
     assert learning(e, ex) is None
