@@ -28,6 +28,7 @@ from nanhunt.capture._util import (
     _version,
 )
 from nanhunt.capture.loss import LossObserver
+from nanhunt.capture.shards import is_sharded
 from nanhunt.capture.state import Part
 
 
@@ -321,18 +322,46 @@ class GradCheck(Part):
     @torch.no_grad()
     def check(self, params: list[torch.Tensor]) -> None:
         s = self.s
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        fsdp1 = self._fsdp1_params()
+        whole: dict[torch.device, list[torch.Tensor]] = {}
+        shards: dict[torch.device, list[torch.Tensor]] = {}
         for p in params:
             g = p.grad
             if g is not None and not g.is_sparse and _stats.summarizable(g):
-                by_device.setdefault(g.device, []).append(g)
-        total = None
-        for grads in by_device.values():
-            part = torch.stack(_foreach_norm(grads, 2.0)).double().pow(2).sum()
-            total = part if total is None else total + part.to(total.device)
-        if total is not None and s.cur.clip_norm is None:
-            s.cur.clip_norm = total.sqrt()  # the optimizer observer files it with the step
-        s.keep.grad_checked = total is not None
+                # a shard's sum of squares is this rank's part of the whole's (FSDP1, FSDP2,
+                # tensor parallel): the recorder adds the ranks' parts up
+                sharded = is_sharded(g) or id(p) in fsdp1
+                (shards if sharded else whole).setdefault(g.device, []).append(g)
+        total, shard_total = _sumsq(whole), _sumsq(shards)
+        if s.cur.clip_norm is None:  # (a clip_grad_norm_ of the script's measured it whole)
+            if total is not None:
+                s.cur.clip_norm = total.sqrt()  # the optimizer observer files it with the step
+            if shard_total is not None:
+                s.recorder.scalar(shard_total, "grad_sumsq_sharded")
+        s.keep.grad_checked = total is not None or shard_total is not None
+
+    def _fsdp1_params(self) -> set[int]:
+        """The parameters FSDP1 units manage (their gradients are shards), found once."""
+        found = getattr(self, "_fsdp1", None)
+        if found is None:
+            found = set()
+            for ref, _label in list(self.s.naming.roots):
+                root = ref()
+                for m in root.modules() if root is not None else ():
+                    if type(m).__name__ == "FullyShardedDataParallel":
+                        found.update(id(p) for p in m.parameters())
+            if self.s.naming.roots:
+                self._fsdp1 = found
+        return found
+
+
+def _sumsq(by_device: dict[torch.device, list[torch.Tensor]]) -> torch.Tensor | None:
+    """The sum of squares of tensors grouped by device, one fused norm per device."""
+    total = None
+    for grads in by_device.values():
+        part = torch.stack(_foreach_norm(grads, 2.0)).double().pow(2).sum()
+        total = part if total is None else total + part.to(total.device)
+    return total
 
 
 def grad_rows(session: Any, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, str, str]]:

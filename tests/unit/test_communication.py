@@ -470,3 +470,24 @@ def test_a_replicated_dtensor_is_whole_on_every_rank_and_a_sharded_one_is_a_shar
     assert is_sharded(distribute_tensor(t, mesh, [Shard(0)]))
     assert not is_sharded(distribute_tensor(t, mesh, [Replicate()]))
     assert not is_sharded(t)
+
+
+def test_the_sentinel_adds_the_ranks_shards_up_for_the_gradient_norm(monkeypatch, tmp_path):
+    """The sentinel's one fused norm of the gradients: a sharded gradient's sum of squares is
+    this rank's part, added to the peers' (here a stand-in peer with an identical shard), so
+    the timeline's norm is the whole model's (it was this rank's shard's)."""
+    _stand_in_peer(monkeypatch)
+    model = _fsdp_model(torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    norms = []
+    with nanhunt.sentinel(model, opt, out=None) as hunt:
+        for step in range(3):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum() \
+                .backward()
+            norms.append(float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(p.grad.to_local(), dtype=torch.float64)
+                 for p in model.parameters()]))))
+            opt.step()
+            opt.zero_grad()
+    for rec, norm in zip(hunt.trace().steps, norms):
+        assert rec.grad_norm == pytest.approx(norm * 2 ** 0.5, rel=1e-6)
