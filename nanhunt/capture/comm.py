@@ -36,7 +36,7 @@ from nanhunt.capture._util import _in_backward, _safe
 from nanhunt.capture.naming import clean
 from nanhunt.capture.state import Part, _Meta
 
-__all__ = ["CommObserver", "hook_dtype", "hook_name"]
+__all__ = ["CommObserver", "hook_dtype", "hook_name", "is_fsdp1"]
 
 #: the dtype each of torch's compression hooks reduces in (by name)
 _HOOK_DTYPES = {"fp16_compress_hook": "float16", "bf16_compress_hook": "bfloat16"}
@@ -63,7 +63,7 @@ def _ddp_class() -> Any:
     return DistributedDataParallel
 
 
-def _is_fsdp1(module: Any) -> bool:
+def is_fsdp1(module: Any) -> bool:
     """An FSDP1 wrapper (``FullyShardedDataParallel``; FSDP2's ``fully_shard`` keeps the
     module's own class)."""
     return type(module).__name__ == "FullyShardedDataParallel" and \
@@ -102,7 +102,7 @@ class CommObserver(Part):
             return
         for ref, _label in list(s.naming.roots):
             ddp = ref()
-            if _is_fsdp1(ddp):
+            if is_fsdp1(ddp):
                 self._fsdp1_rows(ddp)
                 continue
             if not isinstance(ddp, self._ddp) or not getattr(ddp, "require_backward_grad_sync",
@@ -199,7 +199,7 @@ class CommObserver(Part):
             if root is None:
                 continue
             for module in root.modules():
-                if _is_fsdp1(module) and id(module) not in self._units_seen:
+                if is_fsdp1(module) and id(module) not in self._units_seen:
                     self._units_seen.add(id(module))
                     self._fsdp1_unit(root, module)
                     continue

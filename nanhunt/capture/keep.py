@@ -27,6 +27,7 @@ from nanhunt.capture._util import (
     _skip,
     _version,
 )
+from nanhunt.capture.comm import is_fsdp1
 from nanhunt.capture.loss import LossObserver
 from nanhunt.capture.shards import is_sharded
 from nanhunt.capture.state import Part
@@ -348,7 +349,7 @@ class GradCheck(Part):
             for ref, _label in list(self.s.naming.roots):
                 root = ref()
                 for m in root.modules() if root is not None else ():
-                    if type(m).__name__ == "FullyShardedDataParallel":
+                    if is_fsdp1(m):
                         found.update(id(p) for p in m.parameters())
             if self.s.naming.roots:
                 self._fsdp1 = found
