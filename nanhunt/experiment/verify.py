@@ -521,13 +521,16 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
             _finish(task.out, v)
             progress.say(f"nanhunt: experiment {rung.name}"
                          + (f" (--fix {' --fix '.join(rung.fixes)})" if rung.fixes else "")
-                         + f": {_OUTCOME_WORDS.get(e.outcome, e.outcome)}: {e.detail}")
+                         + f": {_said(e)}")
             return False
 
         if folder is None:  # rungs of one name (the source rung's lines) in folders of their own
             used[rung.name] = used.get(rung.name, 0) + 1
             folder = rung.name if used[rung.name] == 1 else f"{rung.name}-{used[rung.name]}"
-        task = _Task(rung.name, list(rung.fixes), scratch / folder, done)
+        label = rung.name
+        if rung.name == "lines" and rung.fixes:  # which lines: two run at once
+            label = "lines " + rung.fixes[0].rpartition(":")[2]
+        task = _Task(label, list(rung.fixes), scratch / folder, done)
         if rung.name == "control" and ex.failure_step is not None:
             # the control's failing step watched op by op: the op and line of a failure
             # outside every module (a hand-written loss), which no module replay can name
@@ -747,6 +750,14 @@ def _bisect(trace: Trace, ex: Experiments, pool: _Pool, first: list[_Task], rung
 _OUTCOME_WORDS = {"recurred": "failure recurred", "moved": "failure moved",
                   "trained": "trained", "diverged": "diverged", "crashed": "crashed",
                   "stopped": "stopped"}
+
+
+def _said(e: Experiment) -> str:
+    """An experiment's outcome and what showed it, without saying the outcome twice."""
+    words = _OUTCOME_WORDS.get(e.outcome, e.outcome)
+    if e.detail.lower().startswith(("the " + words, words)):
+        return e.detail
+    return f"{words}: {e.detail}"
 
 
 def _conditions(result: FixTry, e: Experiment, ex: Experiments) -> None:

@@ -19,7 +19,14 @@ from nanhunt.experiment.ladder import (
     source_ranges,
     source_rungs,
 )
-from nanhunt.experiment.verify import _adopt_lr_rung, _conditions, _label, judge, learning
+from nanhunt.experiment.verify import (
+    _adopt_lr_rung,
+    _conditions,
+    _label,
+    _said,
+    judge,
+    learning,
+)
 from nanhunt.trace import (
     Experiment,
     Experiments,
@@ -576,3 +583,11 @@ def test_a_fix_that_trained_after_another_was_verified_is_not_said_to_have_faile
     assert also.verification.startswith("not verified: another fix was verified first; this "
                                         "one's re-run trained too")
     assert lost.verification == "not verified: 1 re-run did not train (its loss rose)"
+
+
+def test_an_experiment_line_says_its_outcome_once():
+    recurred = Experiment("control", outcome="recurred",
+                          detail="the failure recurred: step 3 / forward / attn")
+    assert _said(recurred) == "the failure recurred: step 3 / forward / attn"
+    trained = Experiment("fp32", outcome="trained", detail="5 steps, loss 3.6 -> 3.5")
+    assert _said(trained) == "trained: 5 steps, loss 3.6 -> 3.5"
