@@ -46,6 +46,7 @@ __all__ = [
     "Copies",
     "CopyRefused",
     "cuda_devices",
+    "is_fsdp1",
     "isolated",
     "max_copy_bytes",
     "nbytes",
@@ -61,13 +62,19 @@ DEFAULT_MAX_COPY_BYTES = 4 * 2**30
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")
 
 
+def is_fsdp1(module: Any) -> bool:
+    """An FSDP1 wrapper (``FullyShardedDataParallel``; FSDP2's ``fully_shard`` keeps the
+    module's own class)."""
+    return type(module).__name__ == "FullyShardedDataParallel" and \
+        isinstance(getattr(module, "_fsdp_wrapped_module", None), torch.nn.Module)
+
+
 def sharded_how(module: Any) -> str:
     """How ``module``'s weights are split across ranks (FSDP1, FSDP2, tensor parallelism's
     DTensors), or "" when every rank holds them whole: one rank cannot copy or replay such a
     module alone (its forward gathers the weights with collectives its peers are not in)."""
-    for m in module.modules():
-        if type(m).__name__ == "FullyShardedDataParallel":
-            return "sharded by FSDP (FullyShardedDataParallel)"
+    if any(is_fsdp1(m) for m in module.modules()):
+        return "sharded by FSDP (FullyShardedDataParallel)"
     if any(type(p).__name__ == "DTensor" for p in module.parameters()):
         return "sharded by FSDP2 or tensor parallelism (DTensor parameters)"
     return ""

@@ -35,8 +35,9 @@ from nanhunt import stats as _stats
 from nanhunt.capture._util import _in_backward, _safe
 from nanhunt.capture.naming import clean
 from nanhunt.capture.state import Part, _Meta
+from nanhunt.contract import is_fsdp1
 
-__all__ = ["CommObserver", "hook_dtype", "hook_name", "is_fsdp1"]
+__all__ = ["CommObserver", "hook_dtype", "hook_name"]
 
 #: the dtype each of torch's compression hooks reduces in (by name)
 _HOOK_DTYPES = {"fp16_compress_hook": "float16", "bf16_compress_hook": "bfloat16"}
@@ -61,13 +62,6 @@ def _ddp_class() -> Any:
     except Exception:  # a torch without distributed
         return None
     return DistributedDataParallel
-
-
-def is_fsdp1(module: Any) -> bool:
-    """An FSDP1 wrapper (``FullyShardedDataParallel``; FSDP2's ``fully_shard`` keeps the
-    module's own class)."""
-    return type(module).__name__ == "FullyShardedDataParallel" and \
-        isinstance(getattr(module, "_fsdp_wrapped_module", None), torch.nn.Module)
 
 
 def _dtype_name(dtype: Any) -> str | None:

@@ -27,10 +27,10 @@ from nanhunt.capture._util import (
     _skip,
     _version,
 )
-from nanhunt.capture.comm import is_fsdp1
 from nanhunt.capture.loss import LossObserver
 from nanhunt.capture.shards import is_sharded
 from nanhunt.capture.state import Part
+from nanhunt.contract import is_fsdp1
 
 
 @dataclass
