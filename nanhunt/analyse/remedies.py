@@ -152,13 +152,18 @@ _VALUE_OF = {"init_scale": ("init-scale",), "clip_grad_norm": ("clip",),
              "z_loss": ("zloss",), "logit_cap": ("cap",), "lr_warmup": ("warmup",)}
 
 
+_COUNTS = ("warmup", "growth-interval", "skip-batch")
+
+
 def _take_values(rec: Recommendation, specs: list[FixSpec]) -> None:
     """The recommendation's value and data are what ``specs`` install: after re-run
     verification settles on a wider rung (init_scale 2^21 where 2^25 failed), the card heads
     with the value that was verified, not the one first computed."""
     for spec in specs:
         if spec.kind in _VALUE_OF.get(rec.type, ()) and spec.value is not None:
-            rec.value = spec.value
+            # a count (warm-up steps) stays a whole number, as its spec prints it
+            rec.value = int(spec.value) if spec.kind in _COUNTS and \
+                float(spec.value).is_integer() else spec.value
             if spec.kind == "init-scale":
                 k = math.log2(spec.value) if spec.value > 0 else None
                 if k is not None and k.is_integer():

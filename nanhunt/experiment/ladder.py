@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanhunt.analyse.advise import choose_init_scale, clip_value
+from nanhunt.analyse.curve_advice import warmup_steps
+from nanhunt.analyse.diagnose.curves import no_warmup, post_ln_blocks
 from nanhunt.fixspec import number
 from nanhunt.formats import get_format
 from nanhunt.trace import Experiment, Experiments, Finding, Trace
@@ -38,7 +40,8 @@ from nanhunt.trace import Experiment, Experiments, Finding, Trace
 __all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "contradiction", "failure_step",
            "first_rungs", "half_optimizer", "horizon", "lines_runs", "loss_gap", "measured_clip",
            "measured_init_scale", "next_rungs", "outcome", "same_problem", "silent_candidate",
-           "silent_verdict", "source_ranges", "source_rungs", "uses_low_precision"]
+           "silent_verdict", "source_ranges", "source_rungs", "suspect_rungs", "uses_low_precision",
+           "warmup_verdict"]
 
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
@@ -105,6 +108,23 @@ def first_rungs(trace: Trace) -> list[Rung]:
     if uses_low_precision(trace):
         rungs.append(Rung("fp32", ("fp32-all",), "does it recur in float32 everywhere?"))
     return rungs
+
+
+def suspect_rungs(trace: Trace) -> list[Rung]:
+    """The experiments a run with no failure found calls for by its structure alone: a post-LN
+    transformer (its blocks normalise after the residual add) trained at its full learning rate
+    from the first step gets a linear warm-up (Xiong et al. 2020) over half the run, at most
+    Adam's 2 / (1 - beta2) steps. Its re-run says whether the run learns measurably more with
+    it (:func:`warmup_verdict`)."""
+    if not trace.optimizers or no_warmup(trace) is None or not post_ln_blocks(trace):
+        return []
+    beta2 = next((o.beta2 for o in trace.optimizers if o.beta2 is not None and 0 < o.beta2 < 1),
+                 None)
+    k = max(2, min(warmup_steps(beta2) if beta2 is not None else warmup_steps(),
+                   len(trace.steps) // 2))
+    return [Rung("warmup", (f"warmup={k}",),
+                 f"does a linear warm-up over {k} steps make this post-LN transformer learn "
+                 "more?")]
 
 
 def measured_clip(trace: Trace, step: int | None) -> float | None:
@@ -600,18 +620,79 @@ def contradiction(ex: Experiments, trace: Trace) -> str:
 
 
 def silent_candidate(trace: Trace) -> bool:
-    """A run with no problem found that the float32 comparison can judge: mixed precision, run
-    to its end, long enough to learn."""
-    return (not trace.problem and uses_low_precision(trace) and
-            trace.run.status == "complete" and len(trace.steps) >= MIN_SILENT_STEPS and
-            all(s.loss is not None and math.isfinite(s.loss) for s in trace.steps))
+    """A run with no problem found that an experiment can judge: run to its end, long enough
+    to learn, and in mixed precision (the float32 comparison), or with a structure that calls
+    for an experiment (:func:`suspect_rungs`), or with a loss that blew up to BLOWUP x its first
+    value that no rule explained (the control and the learning-rate rungs say whether it
+    diverged and why)."""
+    return (not trace.problem and trace.run.status == "complete" and
+            len(trace.steps) >= MIN_SILENT_STEPS and
+            all(s.loss is not None and math.isfinite(s.loss) for s in trace.steps) and
+            (uses_low_precision(trace) or bool(suspect_rungs(trace)) or
+             blew_up(trace, trace.steps) is not None))
+
+
+#: a warm-up "helps" only where it removes at least this part of the loss it reaches
+WARMUP_GAIN = 0.25
+
+
+def warmup_verdict(ex: Experiments, trace: Trace) -> Finding | None:
+    """Whether a post-LN run with no warm-up learns measurably less than its warm-up experiment
+    at the same steps: the control's mean loss over the last steps above the warm-up's by more
+    than the noise (:func:`loss_gap`) and by at least :data:`WARMUP_GAIN` of what the warm-up's
+    loss fell, the warm-up's having fallen beyond the noise. The finding, or None."""
+    control, warm = _run(ex, "control"), _run(ex, "warmup")
+    if control is None or warm is None:
+        return None
+    if control.outcome != "trained" or warm.outcome != "trained":
+        ex.verdict_text = "; ".join(filter(None, [ex.verdict_text, (
+            f"the warm-up experiment {warm.outcome} ({warm.detail})"
+            if warm.outcome != "trained" else "")]))
+        return None
+    gap = loss_gap(control, warm, ex, control)
+    n = min(len(control.losses), len(warm.losses))
+    start = warm.losses[0] if warm.losses else None
+    if gap is None or n == 0 or start is None:
+        return None
+    diff, noise = gap
+    window = warm.losses[max(0, n - 5):n]
+    end = sum(v for v in window if v is not None) / len(window)
+    gain = start - end
+    k = _value(warm)
+    where = f"over steps {max(0, n - 5)}-{n - 1}"
+    said = (f"with a linear warm-up over {k} steps (--fix {warm.fixes[0]}) the mean loss {where} "
+            f"is {end:.4g}; this run's control {end + diff:.4g}")
+    if not (diff > noise and gain > noise and diff >= WARMUP_GAIN * gain):
+        ex.verdict_text = "; ".join(filter(None, [ex.verdict_text, (
+            f"no gain from a warm-up: {said} ({diff:+.3g}, noise {noise:.3g})")]))
+        return None
+    blocks = [b for b, _ in post_ln_blocks(trace)]
+    lr = no_warmup(trace)
+    ex.verdict = "optimisation"
+    text = (f"{said}: {diff:.3g} higher, beyond the noise {noise:.3g}, and "
+            f"{diff / gain:.0%} of what the warm-up's loss fell: the learning rate at the start "
+            "(a post-LN transformer without warm-up)")
+    ex.verdict_text = "; ".join(filter(None, [ex.verdict_text, text]))
+    return Finding(
+        rule="post-ln-warmup", kind="lr_too_high", severity="error", phase="optimizer", step=0,
+        module=blocks[0] if blocks else None, score=7.0,
+        message=(f"a post-LN transformer ({blocks[0] if blocks else 'its blocks'} and its like) "
+                 f"trained at lr {lr:.3g} from the first step learns measurably less than with "
+                 f"a warm-up: mean loss {end + diff:.4g} against {end:.4g} {where}"),
+        evidence=[f"{len(blocks)} post-LN block{'s' if len(blocks) != 1 else ''} "
+                  f"({', '.join(blocks[:4])}{', ...' if len(blocks) > 4 else ''}): each "
+                  "normalises after its sublayers' residual add (Xiong et al. 2020: post-LN "
+                  "needs a warm-up)", text],
+        data={"blocks": blocks, "lr": lr, "warmup": int(float(k)) if k else None,
+              "gap": diff, "noise": noise, "warmup_loss": end})
 
 
 def silent_verdict(ex: Experiments, trace: Trace) -> Finding | None:
     """Whether a run with no non-finite value learns measurably less than float32 everywhere at
     the same step, beyond the control's spread: the finding that says so, or None."""
     control, fp32 = _run(ex, "control"), _run(ex, "fp32")
-    if control is None or fp32 is None:
+    low = uses_low_precision(trace)
+    if control is None or (fp32 is None and low):
         ex.verdict, ex.verdict_text = "undetermined", "the control or the float32 experiment " \
             "did not run"
         return None
@@ -619,15 +700,24 @@ def silent_verdict(ex: Experiments, trace: Trace) -> Finding | None:
     if control.outcome == "diverged":
         # the run itself diverged (a loss 10x its first, a skip streak) with nothing non-finite
         # traced: never OK; float32 everywhere says whether precision is the cause
-        precision = fp32.outcome == "trained"
+        precision = fp32 is not None and fp32.outcome == "trained"
         ex.control_reproduced = True
         ex.verdict = "precision-range" if precision else "not-precision"
-        ex.verdict_text = (f"the loss diverges ({control.detail}); float32 everywhere "
-                           + ("trains: a precision failure" if precision else
-                              f"{fp32.outcome} too ({fp32.detail}): not precision-specific"))
+        ex.verdict_text = ("the control diverges too; " + (
+            "the run is in float32: not precision-specific" if fp32 is None else
+            "float32 everywhere " + ("trains: a precision failure" if precision else
+                                     f"{fp32.outcome} too ({fp32.detail}): not "
+                                     "precision-specific")))
+        first = next((v for v in control.losses if v is not None and math.isfinite(v)), None)
+        step = next((i for i, v in enumerate(control.losses) if first and v is not None and
+                     math.isfinite(v) and abs(v) > BLOWUP * abs(first)),
+                    len(control.losses) - 1)
         return Finding(rule="experiment-divergence", kind="divergence", severity="error",
                        message=f"the training diverged: {control.detail}",
-                       evidence=[ex.verdict_text], step=len(control.losses) - 1)
+                       evidence=[ex.verdict_text], step=step)
+    if fp32 is None:  # a float32 run: no precision comparison to make
+        ex.verdict, ex.verdict_text = "", ""
+        return None
     if fp32.outcome != "trained" or control.outcome != "trained":
         ex.verdict = "undetermined"
         ex.verdict_text = (f"the float32 experiment {fp32.outcome} ({fp32.detail})"

@@ -47,6 +47,8 @@ from nanhunt.experiment.ladder import (
     same_problem,
     silent_candidate,
     silent_verdict,
+    suspect_rungs,
+    warmup_verdict,
 )
 from nanhunt.experiment.region import Bisection
 from nanhunt.experiment.region import spec as region_spec
@@ -54,6 +56,7 @@ from nanhunt.fixspec import parse_fix
 from nanhunt.trace import (
     Experiment,
     Experiments,
+    Finding,
     FixTry,
     Recommendation,
     Trace,
@@ -473,7 +476,9 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         return
     if silent:
         # no problem found: compare the whole run with float32 everywhere (a silent failure)
-        v.note = "no problem was found: the run was compared with float32 everywhere"
+        v.note = "no problem was found: the run was compared with " + " and ".join(
+            {"fp32": "float32 everywhere", "warmup": "a learning-rate warm-up"}[r.name]
+            for r in first_rungs(trace) + suspect_rungs(trace) if r.name != "control")
         steps = len(trace.steps) if not cfg.max_steps else min(len(trace.steps),
                                                                   cfg.max_steps)
         v.target_steps = ex.horizon = steps
@@ -484,13 +489,15 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         BUDGET_MIN, BUDGET_FACTOR * (cfg.script_seconds or 10.0))
     v.budget_seconds = ex.budget_seconds = round(budget, 2)
     candidates = verify_order(trace.recommendations)
+    first = first_rungs(trace) + (suspect_rungs(trace) if silent else [])
     progress = _Progress(cfg.quiet)
     progress.say(
         f"nanhunt: diagnosing by experiment: re-running the script (a control, the experiment "
         f"ladder, up to {cfg.tries} fixes), {steps} steps each, {jobs} at a time (--verify 0 "
         "turns this off)" if not silent else
-        f"nanhunt: comparing with float32: re-running the script twice (a control, float32 "
-        f"everywhere), {steps} steps each (--verify 0 turns this off)")
+        f"nanhunt: no failure found; re-running the script {len(first)} times ("
+        + ", ".join(r.name if r.name != "fp32" else "float32 everywhere" for r in first)
+        + f"), {steps} steps each (--verify 0 turns this off)")
     scratch = out_dir / RERUN_DIR
     shutil.rmtree(scratch, ignore_errors=True)
     start = time.monotonic()
@@ -596,13 +603,17 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
     tasks_made: list[_Task] = []
     excluded: dict[int, str] = {}  # id(recommendation) -> why it was not re-run
     try:
-        pool.run([rung_task(r) for r in first_rungs(trace)], not_run)
+        pool.run([rung_task(r) for r in first], not_run)
         control_facts(ex, trace)
         if ex.control_reproduced:
             _adopt_located(trace, scratch / "control" / "located.json", ex)
         control = [e for e in ex.runs if e.rung == "control"]
         if silent:
             finding = silent_verdict(ex, trace)
+            if finding is None and trace.diagnosis is None:
+                finding = warmup_verdict(ex, trace)
+                if finding is not None:
+                    _warmup_recommendation(trace, ex, finding)
             if finding is not None:
                 if trace.diagnosis is None:
                     trace.diagnosis = finding
@@ -610,12 +621,17 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
             if ex.verdict == "not-precision":  # it diverges in float32 too: the optimizer?
                 rungs = [r for r in next_rungs(trace, ex) if r.name.startswith("lr-")]
                 pool.run([rung_task(r) for r in rungs], not_run)
-                lr = next((e for e in ex.runs if e.rung.startswith("lr-") and
-                           e.outcome == "trained"), None)
+                # the smaller change first, a re-run that learned and made no failure of its
+                # own before one that only stayed finite
+                trained = [e for name in ("lr-0.1", "lr-0.01") for e in ex.runs
+                           if e.rung == name and e.outcome == "trained"]
+                lr = next((e for e in trained if "its own diagnosis" not in e.detail and
+                           (_drop(e.losses) or 0) > 0), trained[0] if trained else None)
                 if lr is not None:
                     ex.verdict = "optimisation"
                     ex.verdict_text += f"; a learning rate x{lr.fixes[0].split('=')[1]} " \
                         "trains: an optimisation failure (the learning rate)"
+                    _lr_rung_recommendation(trace, ex, lr, finding)
         elif ex.control_reproduced:
             rungs = [rung_task(r) for r in next_rungs(trace, ex)]
             fp32 = next((e for e in ex.runs if e.rung == "fp32"), None)
@@ -815,6 +831,76 @@ def _master_recommendation(trace: Trace, ex: Experiments) -> Recommendation | No
         set_fix(rec, trace, [parse_fix("fp32-master")])
         trace.recommendations.append(rec)
     return rec
+
+
+def _rung_recommendation(trace: Trace, ex: Experiments, e: Experiment, type_: str, value: Any,
+                         evidence: list[str], why: str) -> Recommendation:
+    """A recommendation made from an experiment rung of a run with no failure found (a warm-up,
+    a lower learning rate), whose try is that rung's re-run: verified where the control,
+    unfixed, showed the problem again (``why``: how), the rung's re-run ran every step with
+    finite losses and no skip streak, and its loss fell."""
+    rec = Recommendation(type=type_, value=value, snippet="", evidence=evidence,
+                         data={"source": "experiment"})
+    set_fix(rec, trace, [parse_fix(s) for s in e.fixes])
+    drop = _drop(e.losses)
+    result = FixTry(fixes=list(e.fixes), verified=True, steps=e.steps,
+                    target_steps=e.target_steps, losses=list(e.losses), seconds=e.seconds,
+                    report=e.report,
+                    reason=(f"{why}; the re-run with --fix {' --fix '.join(e.fixes)} ran "
+                            f"{e.steps} of {e.target_steps} steps, its loss "
+                            f"{_loss_span(e.losses)}"))
+    result.conditions = {"control_reproduced": bool(ex.control_reproduced),
+                         "past_horizon": e.steps >= e.target_steps,
+                         "finite": e.outcome == "trained", "no_skip_streak":
+                         "skipped" not in e.detail,
+                         "learned": None if drop is None else drop > 0,
+                         "within_fp32_noise": None}
+    result.verified = all(v is not False for v in result.conditions.values())
+    rec.tries.append(result)
+    rec.check = "rerun"
+    rec.verified = result.verified
+    held = ", ".join(k.replace("_", " ") for k in CONDITIONS if result.conditions.get(k))
+    failed = ", ".join(k.replace("_", " ") for k in CONDITIONS
+                       if result.conditions.get(k) is False)
+    rec.verification = ("verified by re-run: " + result.reason + "; held: " + held
+                        if rec.verified else
+                        "not verified: " + result.reason + "; did not hold: " + failed)
+    trace.recommendations.insert(0, rec)
+    return rec
+
+
+def _warmup_recommendation(trace: Trace, ex: Experiments, finding: Finding) -> None:
+    """The warm-up that its experiment showed the run learns more with."""
+    e = next(x for x in ex.runs if x.rung == "warmup")
+    control = next(x for x in ex.runs if x.rung == "control")
+    ex.control_reproduced = bool(ex.deterministic or (
+        ex.spread is not None and ex.spread <= finding.data["noise"] / 2))
+    like = ("its losses are the original run's" if ex.deterministic else
+            f"within {ex.spread:.3g} of the original run's losses" if ex.spread is not None else
+            "not compared with the original run's losses")
+    _rung_recommendation(
+        trace, ex, e, "lr_warmup", finding.data.get("warmup"),
+        [finding.evidence[-1], "a post-LN transformer needs a warm-up to train at its full "
+         "learning rate (Xiong et al. 2020); longer runs: about 2 / (1 - beta2) steps for Adam "
+         "(Ma & Yarats 2021)"],
+        f"the control, unfixed, ran {control.steps} steps and learned less ({like})")
+
+
+def _lr_rung_recommendation(trace: Trace, ex: Experiments, e: Experiment,
+                            finding: Finding | None) -> None:
+    """A lower learning rate where the run diverged with nothing non-finite and the lr rung
+    trained: the finding is the learning rate's, its fix that rung's."""
+    value = e.fixes[0].split("=", 1)[1]
+    factor = float(value)
+    control = next(x for x in ex.runs if x.rung == "control")
+    said = (f"a learning rate x{value} trains ({e.detail}) where the control diverged again "
+            f"({control.detail})")
+    if finding is not None and finding.kind == "divergence":
+        finding.kind = "lr_too_high"
+        finding.phase = "optimizer"
+        finding.evidence.append(said + ": the learning rate")
+    _rung_recommendation(trace, ex, e, "lower_lr", factor, [said],
+                         f"the control, unfixed, diverged again ({control.detail})")
 
 
 def _drop(losses: list[float | None]) -> float | None:

@@ -22,6 +22,12 @@ SCALER = ("curves_vit.py", "--steps", "30", "--precision", "fp16", "--growth-int
 SPIKE = ("curves_encoder.py", "--steps", "26", "--spike-at", "15", "--spike-lr", "10")
 # a post-LN ViT at full lr from the first step: the loss jumps and settles at chance (ln 4)
 POST_LN = ("curves_vit.py", "--steps", "24", "--post-ln", "--depth", "4", "--lr", "0.03")
+# a post-LN GPT at full lr from the first step: its loss falls, so no rule of one
+# run can call it failed (3.66 -> 2.86 in 20 steps); its warm-up experiment learns far more (1.5)
+POST_LN_GPT = ("curves_gpt.py", "--steps", "20", "--post-ln", "--depth", "4", "--lr", "0.03")
+# an encoder at lr 1: its loss swings between 1x and 100x its first value, never staying out
+# long enough for the rule: the control and the learning-rate rungs say it diverged and why
+CHAOS = ("curves_encoder.py", "--steps", "30", "--lr", "1")
 
 
 def _diagnose(cli, script, *args):
@@ -36,6 +42,11 @@ def prefetch(cli) -> dict:
     # the one re-run verification here: the warm-up fix through the experiment engine
     runs["post-ln"] = cli.submit("diagnose", "--quiet", "--verify", "1", "--max-steps", "12",
                                  SCRIPTS / POST_LN[0], *POST_LN[1:], verify=True)
+    # the experiments of a run with no failure found (default --verify)
+    runs["post-ln-gpt"] = cli.submit("diagnose", "--quiet", SCRIPTS / POST_LN_GPT[0],
+                                     *POST_LN_GPT[1:], verify=True)
+    runs["chaos"] = cli.submit("diagnose", "--quiet", SCRIPTS / CHAOS[0], *CHAOS[1:],
+                               verify=True)
     runs["attn-probe"] = cli.python(SCRIPTS / "curves_probe.py", *ATTN)
     runs["head-probe"] = cli.python(SCRIPTS / "curves_probe.py", *HEAD)
     return runs
@@ -173,3 +184,64 @@ def test_a_post_ln_transformer_without_warmup_is_named_and_its_warmup_verified(r
     assert ex["verdict"] == "optimisation", ex["verdict_text"]
     # the warmed-up re-run ends below the control, which stays near chance (ln 4 = 1.39)
     assert runs_by["fix"]["losses"][-1] < runs_by["control"]["losses"][-1] - 0.2
+
+
+def _tail_mean(losses: list[float], k: int = 5) -> float:
+    return sum(losses[-k:]) / k
+
+
+def test_a_post_ln_gpt_that_learns_less_without_warmup_is_shown_by_its_warmup_experiment(
+        runs, cli):
+    res = runs["post-ln-gpt"].result()
+    assert res.code == 1, res.stderr
+    rep = res.report
+    d = rep["diagnosis"]
+    assert (d["rule"], d["kind"], d["module"]) == ("post-ln-warmup", "lr_too_high",
+                                                   "trunk.blocks.0")
+    ex = rep["experiments"]
+    by = {e["rung"]: e for e in ex["runs"]}
+    assert set(by) == {"control", "warmup"} and ex["verdict"] == "optimisation"
+    # the control is the original run again (a deterministic script): the same losses
+    original = _losses(res)
+    assert by["control"]["losses"] == pytest.approx(original, rel=1e-5)
+    warm = rep["recommendations"][0]
+    assert warm["type"] == "lr_warmup" and warm["verified"], warm["verification"]
+    k = warm["value"]
+    assert warm["fix"] == [f"warmup={k}"] and k == 10  # half of the 20-step run
+    # the script's own warm-up flag (its code, not nanhunt's fix), run by hand, learns more
+    hand = cli.python(SCRIPTS / POST_LN_GPT[0], *POST_LN_GPT[1:], "--warmup", str(k)).result()
+    assert hand.returncode == 0, hand.stderr
+    warmed = [float(line.split()[-1]) for line in hand.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(warmed) == len(original) == 20
+    assert _tail_mean(warmed) < _tail_mean(original) - 0.5, (warmed, original)
+
+
+def test_a_loss_that_swings_far_above_its_start_is_a_divergence_and_a_lower_lr_trains(
+        runs, cli):
+    res = runs["chaos"].result()
+    original = _losses(res)
+    # by hand: the loss went above 10x its first value and never came back near it for long
+    assert max(original) > 10 * original[0]
+    assert res.code == 1, res.stderr
+    rep = res.report
+    d = rep["diagnosis"]
+    assert (d["rule"], d["kind"]) == ("experiment-divergence", "lr_too_high")
+    assert d["step"] == next(i for i, v in enumerate(original) if v > 10 * original[0])
+    ex = rep["experiments"]
+    by = {e["rung"]: e for e in ex["runs"]}
+    assert by["control"]["outcome"] == "diverged" and ex["verdict"] == "optimisation"
+    lower = rep["recommendations"][0]
+    assert lower["type"] == "lower_lr" and lower["verified"], lower["verification"]
+    factor = float(lower["value"])
+    # the fix is the rung's own re-run: the first factor that trained and learned
+    rung = next(e for e in ex["runs"] if e["fixes"] == lower["fix"])
+    assert rung["rung"] in ("lr-0.1", "lr-0.01") and rung["outcome"] == "trained"
+    # the factor applied by hand through the script's own --lr: it trains (stays under 10x its
+    # first loss) and learns (its last losses below its first)
+    hand = cli.python(SCRIPTS / CHAOS[0], *CHAOS[1:-1], str(1 * factor)).result()
+    assert hand.returncode == 0, hand.stderr
+    fixed = [float(line.split()[-1]) for line in hand.stdout.splitlines()
+             if line.startswith("step ")]
+    assert len(fixed) == 30 and max(fixed) < 10 * fixed[0]
+    assert _tail_mean(fixed) < fixed[0]

@@ -838,6 +838,17 @@ def _first_lrs(trace: Trace) -> list[float]:
     return [float(v) for v in lrs]
 
 
+def no_warmup(trace: Trace) -> float | None:
+    """The lr of the first step where the run trained at it from the start (no warm-up: the lr
+    of its first steps does not rise to 10% above it); None where it warmed up or fewer than 3
+    steps' lr were recorded."""
+    lrs = _first_lrs(trace)
+    if len(lrs) < 3:
+        return None
+    head = lrs[: max(3, min(10, len(lrs)))]
+    return lrs[0] if lrs[0] >= 0.9 * max(head) else None
+
+
 def _grad_by_block(trace: Trace, blocks: list[str]) -> list[tuple[str, float]]:
     """The largest parameter gradient (unscaled) inside each block at its first recorded step."""
     out = []
@@ -863,11 +874,8 @@ def post_ln_warmup(trace: Trace, ctx: Context) -> Iterator[Finding]:
     blocks = post_ln_blocks(trace)
     lrs = _first_lrs(trace)
     pts = losses(trace)
-    if not blocks or len(lrs) < 3 or len(pts) < 8:
+    if not blocks or len(pts) < 8 or no_warmup(trace) is None:
         return
-    head = lrs[: max(3, min(10, len(lrs)))]
-    if lrs[0] < 0.9 * max(head):
-        return  # the lr rises over the first steps: a warm-up
     values = [v for _, v in pts]
     sigma = noise(values)
     tail = values[-max(3, len(values) // 4):]
