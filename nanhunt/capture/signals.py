@@ -16,6 +16,8 @@ finite magnitude for that module (attention scores before softmax).
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["SignalObserver"]
 
 from typing import Any
@@ -216,10 +218,16 @@ def _sample(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         parts.append(part)
         weights.append(flat.numel() / part.numel())
     sample = torch.cat(parts).float()
-    weight = torch.repeat_interleave(
-        torch.tensor(weights, dtype=torch.float64, device=sample.device),
-        torch.tensor([q.numel() for q in parts], device=sample.device))
-    return sample, weight
+    return sample, _weights(tuple(weights), tuple(q.numel() for q in parts), sample.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(weights: tuple[float, ...], counts: tuple[int, ...],
+             device: torch.device) -> torch.Tensor:
+    """Each sampled element's weight, made once per layout (the same tensors give the same
+    layout every step: building it each step cost more than the signals it weights)."""
+    return torch.repeat_interleave(torch.tensor(weights, dtype=torch.float64, device=device),
+                                   torch.tensor(counts, device=device))
 
 
 def _moment2(state: Any) -> torch.Tensor | None:
