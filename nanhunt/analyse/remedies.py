@@ -25,8 +25,8 @@ __all__ = ["attach_fixes", "cure_rank", "ladder", "verify_order"]
 _OPTIMIZER_KINDS = ("opt-eps", "lr-factor", "clip", "fp32-master", "warmup")
 #: types a fix spec installs; the others need a code change
 _INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "lower_lr",
-                "fp32_master_weights", "fp32_lines", "z_loss", "logit_cap", "lr_warmup", "comm_hook",
-                "no_comm_hook")
+                "fp32_master_weights", "fp32_lines", "z_loss", "logit_cap", "lr_warmup",
+                "comm_hook", "no_comm_hook")
 #: which recommendation types re-run verification tries first (most likely to cure first):
 #: a floor removes the invalid op (an eps too, when the module has one), float32 master
 #: weights change only the optimizer's arithmetic (every module still computes in low

@@ -11,7 +11,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 from nanhunt.capture._util import _owner_of, _unwrap, _variable_name
 from nanhunt.capture.state import _Frame
 
-
 #: the attribute a nested wrapper keeps the user's module under (FSDP1, activation
 #: checkpointing's checkpoint_wrapper): not part of the name the user wrote
 _WRAPPED = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")

@@ -26,7 +26,9 @@ the experiments contradict loses (:func:`contradiction`), and the report says wh
 from __future__ import annotations
 
 import ast
+import itertools
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,11 +39,11 @@ from nanhunt.fixspec import number
 from nanhunt.formats import get_format
 from nanhunt.trace import Experiment, Experiments, Finding, Trace
 
-__all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "contradiction", "failure_step",
-           "first_rungs", "half_optimizer", "horizon", "lines_runs", "loss_gap", "measured_clip",
-           "measured_init_scale", "next_rungs", "outcome", "same_problem", "silent_candidate",
-           "silent_verdict", "source_ranges", "source_rungs", "suspect_rungs", "uses_low_precision",
-           "warmup_verdict"]
+__all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "contradiction", "drop",
+           "failure_step", "first_rungs", "half_optimizer", "horizon", "learning", "lines_runs",
+           "loss_gap", "loss_span", "measured_clip", "measured_init_scale", "next_rungs",
+           "outcome", "same_problem", "silent_candidate", "silent_verdict", "source_ranges",
+           "source_rungs", "suspect_rungs", "uses_low_precision", "warmup_verdict"]
 
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
@@ -238,7 +240,7 @@ def next_rungs(trace: Trace, ex: Experiments) -> list[Rung]:
     fp32 = _run(ex, "fp32")
     step = ex.failure_step
     rungs: list[Rung] = []
-    precision = fp32 is not None and fp32.outcome == "trained"
+    precision = cured(fp32, ex)
     if precision:
         rungs += source_rungs(ex)
         if _float16(trace):
@@ -477,9 +479,70 @@ def _lines_text(spec: str) -> str:
     return f"{word} {lines} of {Path(path).name}"
 
 
-def _how(e: Experiment) -> str:
+def _how(e: Experiment, ex: Experiments | None = None) -> str:
+    if ex is not None and unlearned(e, ex):
+        return "finite, but it did not learn: loss " + loss_span(e.losses)
     return e.outcome + (f" at step {e.failure_step}" if e.outcome in ("recurred", "moved") and
                         e.failure_step is not None else "")
+
+
+def loss_span(losses: list[float | None]) -> str:
+    vals = [v for v in losses if v is not None]
+    if not vals:
+        return "not recorded"
+    return f"{vals[0]:.4g} -> {vals[-1]:.4g}"
+
+
+def drop(losses: list[float | None]) -> float | None:
+    """How much a run's loss fell: the mean of its first quarter (at most 5 losses) less the
+    mean of its last; None with fewer than 4 losses or a non-finite one among them."""
+    if len(losses) < 4 or any(v is None or not math.isfinite(v) for v in losses):
+        return None
+    k = max(1, min(5, len(losses) // 4))
+    return (sum(losses[:k]) - sum(losses[-k:])) / k  # type: ignore[arg-type]
+
+
+def learning(e: Experiment, ex: Experiments) -> tuple[bool, str] | None:
+    """Whether a fix's re-run learned: where the control's loss fell before the failure step
+    (the run was learning), the fix's must fall over its run too; where it did not (a run that
+    never learned, random targets), the fix's must at least not rise beyond the noise. None
+    where either has too few finite losses to tell."""
+    control = next((x for x in ex.runs if x.rung == "control"), None)
+    if control is None or ex.failure_step is None:
+        return None
+    losses = control.losses[: ex.failure_step]
+    before = drop(losses)
+    after = drop(e.losses)
+    if before is None or after is None:
+        return None
+    # the noise of the drop: the control's own step-to-step scatter, for means of k losses
+    # (a deterministic control has no spread against the original, but a noisy loss still
+    # falls or rises by chance), and twice the control's spread against the original
+    k = max(1, min(5, len(losses) // 4))
+    diffs = [b - a for a, b in itertools.pairwise(losses)]  # type: ignore[operator]
+    scatter = statistics.pstdev(diffs) / math.sqrt(k) if len(diffs) >= 3 else 0.0
+    noise = 2 * max(ex.spread or 0.0, scatter)
+    span = f"{loss_span(e.losses)}"
+    if before > noise:
+        return (after > 0, f"it did not learn: its loss went {span} while the control's fell "
+                           f"by {before:.3g} before the failure")
+    return (after >= -max(noise, 0.05 * abs(e.losses[0] or 0.0)),  # type: ignore[operator]
+            f"its loss rose: {span}")
+
+
+def cured(e: Experiment | None, ex: Experiments) -> bool:
+    """A rung that removed the failure: it trained (ran to the horizon, finite, no skip streak)
+    and, where the control was learning before the failure, learned too (:func:`learning`): a
+    re-run that stayed finite while its loss rose is another failure, not a cure."""
+    if e is None or e.outcome != "trained":
+        return False
+    learned = learning(e, ex)
+    return learned is None or learned[0]
+
+
+def unlearned(e: Experiment | None, ex: Experiments) -> bool:
+    """A rung that trained without learning (:func:`cured` is False for it)."""
+    return e is not None and e.outcome == "trained" and not cured(e, ex)
 
 
 def classify(ex: Experiments, trace: Trace) -> None:
@@ -500,16 +563,16 @@ def classify(ex: Experiments, trace: Trace) -> None:
     said: list[str] = []
     verdict = "undetermined"
     name = ""
-    if fp32 is not None and fp32.outcome == "trained":
-        if noscale is not None and noscale.outcome == "trained":
+    if cured(fp32, ex):
+        if cured(noscale, ex):
             verdict, mid = "loss-scaling", "disabling GradScaler does too"
-        elif scale is not None and scale.outcome == "trained":
+        elif cured(scale, ex):
             verdict = "loss-scaling"
             mid = (f"GradScaler from init_scale {_value(scale)} (the gradients' exponents) "
                    "does too")
-        elif bf16 is not None and bf16.outcome == "trained":
+        elif cured(bf16, ex):
             verdict, mid = "precision-range", "bfloat16 does too"
-        elif bf16 is not None and bf16.outcome in _FAILED:
+        elif bf16 is not None and (bf16.outcome in _FAILED or unlearned(bf16, ex)):
             verdict, mid = "precision-resolution", f"bfloat16 does not ({bf16.outcome})"
         elif bf16 is None and not _float16(trace):
             verdict, mid = "precision-resolution", "the run is bfloat16 already (float32's range)"
@@ -524,7 +587,7 @@ def classify(ex: Experiments, trace: Trace) -> None:
             if narrower:
                 said.append(" or ".join(_lines_text(e.fixes[0]) for e in narrower if e.fixes)
                             + " alone does not")
-        if master is not None and master.outcome == "trained":
+        if cured(master, ex):
             # the narrowest change of all: only the optimizer's arithmetic leaves 16 bits
             said.append("float32 master weights and optimizer state remove the failure (the "
                         "forward and backward still in low precision)")
@@ -540,40 +603,40 @@ def classify(ex: Experiments, trace: Trace) -> None:
             said += ["float32 everywhere removes the failure", mid]
             if ex.region_text:
                 said.append(ex.region_text)
-        if master is not None and master.outcome in _FAILED:
-            said.append(f"float32 master weights alone do not ({_how(master)})")
+        if master is not None and (master.outcome in _FAILED or unlearned(master, ex)):
+            said.append(f"float32 master weights alone do not ({_how(master, ex)})")
         tried = [e for e in lines_runs(ex) if e.outcome in _FAILED]
         if tried and not ex.lines:  # the failing op's own lines are not where it was lost
             said.append(f"float32 for the ops written on {_lines_text(tried[-1].fixes[0])} "
                         f"(where the first non-finite value was made) does not "
-                        f"({_how(tried[-1])})")
-    elif fp32 is None or fp32.outcome in _FAILED:
+                        f"({_how(tried[-1], ex)})")
+    elif fp32 is None or fp32.outcome in _FAILED or unlearned(fp32, ex):
         if fp32 is None:
             said.append("the run used no low-precision format")
         else:
-            said.append(f"float32 everywhere does not remove it ({_how(fp32)})")
+            said.append(f"float32 everywhere does not remove it ({_how(fp32, ex)})")
         lrs = [e for e in (_run(ex, "lr-0.1"), _run(ex, "lr-0.01")) if e is not None]
-        lr = next((e for e in lrs if e.outcome == "trained"), None)
+        lr = next((e for e in lrs if cured(e, ex)), None)
         clip, skip = _run(ex, "clip"), _run(ex, "skip-batch")
         if lr is not None:
             verdict = "optimisation"
             said.append(f"a learning rate x{_value(lr)} removes it")
-        elif clip is not None and clip.outcome == "trained":
+        elif cured(clip, ex):
             verdict = "optimisation"
             name = "an optimisation failure (the gradient norm)"
             said.append(f"clipping the gradient norm at {_value(clip)} removes it")
-        elif skip is not None and skip.outcome == "trained":
+        elif cured(skip, ex):
             verdict = "data"
             said.append("replacing the failing batch removes it")
         else:
             verdict = "not-precision"
             if lrs:
                 said.append("a learning rate " + " or ".join(f"x{_value(e)}" for e in lrs)
-                            + " does not (" + ", ".join(_how(e) for e in lrs) + ")")
+                            + " does not (" + ", ".join(_how(e, ex) for e in lrs) + ")")
             if clip is not None:
-                said.append(f"clipping at {_value(clip)} does not ({_how(clip)})")
+                said.append(f"clipping at {_value(clip)} does not ({_how(clip, ex)})")
             if skip is not None:
-                said.append(f"replacing the failing batch does not ({_how(skip)})")
+                said.append(f"replacing the failing batch does not ({_how(skip, ex)})")
             if fp32 is None:
                 name = "nothing tried removes it"
     else:

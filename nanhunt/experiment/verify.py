@@ -22,7 +22,6 @@ import os
 import select
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -37,9 +36,11 @@ from nanhunt.experiment.ladder import (
     blew_up,
     classify,
     control_facts,
+    cured,
     failure_step,
     first_rungs,
     horizon,
+    learning,
     lines_runs,
     loss_gap,
     next_rungs,
@@ -48,7 +49,11 @@ from nanhunt.experiment.ladder import (
     silent_candidate,
     silent_verdict,
     suspect_rungs,
+    unlearned,
     warmup_verdict,
+)
+from nanhunt.experiment.ladder import (
+    drop as _drop,
 )
 from nanhunt.experiment.region import Bisection
 from nanhunt.experiment.region import spec as region_spec
@@ -635,7 +640,7 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         elif ex.control_reproduced:
             rungs = [rung_task(r) for r in next_rungs(trace, ex)]
             fp32 = next((e for e in ex.runs if e.rung == "fp32"), None)
-            if fp32 is not None and fp32.outcome == "trained":
+            if cured(fp32, ex):
                 # a precision failure: bisect float32 over the module tree, its first level
                 # beside the other rungs
                 region = _bisect(trace, ex, pool, rungs, rung_task, not_run, reruns, steps)
@@ -650,13 +655,15 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                     candidates = [r for r in candidates if cure_rank(r) < cure_rank(region)]
             else:
                 pool.run(rungs, not_run)
-                if fp32 is not None and fp32.outcome in ("recurred", "moved", "diverged"):
+                if fp32 is not None and (fp32.outcome in ("recurred", "moved", "diverged")
+                                         or unlearned(fp32, ex)):
                     # float32 everywhere is the widest float32 change: no narrower one can cure
                     for rec in candidates:
                         if rec.type in _FLOAT32_TYPES:
+                            how = "it did not learn" if unlearned(fp32, ex) else fp32.outcome
                             excluded[id(rec)] = (f"float32 everywhere did not remove the "
-                                                 f"failure ({fp32.outcome}), so no narrower "
-                                                 "float32 change can")
+                                                 f"failure ({how}), so no narrower float32 "
+                                                 "change can")
                     candidates = [r for r in candidates if id(r) not in excluded]
             _adopt_lr_rung(trace, ex)
             # candidates in order of cure: a fix a rung already ran is read again, free; the
@@ -901,43 +908,6 @@ def _lr_rung_recommendation(trace: Trace, ex: Experiments, e: Experiment,
         finding.evidence.append(said + ": the learning rate")
     _rung_recommendation(trace, ex, e, "lower_lr", factor, [said],
                          f"the control, unfixed, diverged again ({control.detail})")
-
-
-def _drop(losses: list[float | None]) -> float | None:
-    """How much a run's loss fell: the mean of its first quarter (at most 5 losses) less the
-    mean of its last; None with fewer than 4 losses or a non-finite one among them."""
-    if len(losses) < 4 or any(v is None or not math.isfinite(v) for v in losses):
-        return None
-    k = max(1, min(5, len(losses) // 4))
-    return (sum(losses[:k]) - sum(losses[-k:])) / k  # type: ignore[arg-type]
-
-
-def learning(e: Experiment, ex: Experiments) -> tuple[bool, str] | None:
-    """Whether a fix's re-run learned: where the control's loss fell before the failure step
-    (the run was learning), the fix's must fall over its run too; where it did not (a run that
-    never learned, random targets), the fix's must at least not rise beyond the noise. None
-    where either has too few finite losses to tell."""
-    control = next((x for x in ex.runs if x.rung == "control"), None)
-    if control is None or ex.failure_step is None:
-        return None
-    losses = control.losses[: ex.failure_step]
-    before = _drop(losses)
-    after = _drop(e.losses)
-    if before is None or after is None:
-        return None
-    # the noise of the drop: the control's own step-to-step scatter, for means of k losses
-    # (a deterministic control has no spread against the original, but a noisy loss still
-    # falls or rises by chance), and twice the control's spread against the original
-    k = max(1, min(5, len(losses) // 4))
-    diffs = [b - a for a, b in zip(losses, losses[1:])]  # type: ignore[operator]
-    scatter = statistics.pstdev(diffs) / math.sqrt(k) if len(diffs) >= 3 else 0.0
-    noise = 2 * max(ex.spread or 0.0, scatter)
-    span = f"{_loss_span(e.losses)}"
-    if before > noise:
-        return (after > 0, f"it did not learn: its loss went {span} while the control's fell "
-                           f"by {before:.3g} before the failure")
-    return (after >= -max(noise, 0.05 * abs(e.losses[0] or 0.0)),  # type: ignore[operator]
-            f"its loss rose: {span}")
 
 
 def _lines_recommendation(trace: Trace, ex: Experiments) -> Recommendation | None:
