@@ -144,6 +144,30 @@ def prepare_hf_clm(work: Path) -> None:
     fast.save_pretrained(str(work / "tokenizer"))
 
 
+def prepare_diffusers(work: Path) -> None:
+    """train_unconditional.py reads an image folder (datasets' ``imagefolder``,
+    ``--train_data_dir``) and a UNet config (``--model_config_name_or_path``): twelve 20x16
+    RGB images (noise and a bright bar whose colour and place follow the index; the script
+    resizes the shorter side to 16 and crops 16x16 at random) and a two-level UNet2DModel with
+    one attention level."""
+    import numpy as np
+    from PIL import Image
+
+    d = work / "data" / "train"
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for k in range(12):
+        img = rng.integers(0, 60, (16, 20, 3), dtype=np.uint8)
+        img[4:12, 3 + k % 9:9 + k % 9, k % 3] = 230
+        Image.fromarray(img).save(d / f"{k:02d}.png")
+    config = {"_class_name": "UNet2DModel", "sample_size": 16, "in_channels": 3,
+              "out_channels": 3, "layers_per_block": 1, "block_out_channels": [16, 32],
+              "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
+              "up_block_types": ["AttnUpBlock2D", "UpBlock2D"], "norm_num_groups": 8,
+              "attention_head_dim": 8}
+    (work / "unet_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+
+
 # ----------------------------------------------------------------------------- the corpus
 
 
@@ -158,7 +182,8 @@ class Entry:
     healthy: list[str]
     failure: list[str]
     prepare: Callable[[Path], None] = prepare_none
-    pythonpath: list[str] = dataclasses.field(default_factory=list)  # "." or "standins"
+    # ".", "standins" or "standins/NAME" (a folder of standins/), else relative to the copy
+    pythonpath: list[str] = dataclasses.field(default_factory=list)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     outputs: list[str] = dataclasses.field(default_factory=list)  # globs, relative to cwd
     volatile: list[str] = dataclasses.field(default_factory=list)  # regexes masked in output
@@ -321,6 +346,37 @@ ENTRIES: list[Entry] = [
               "loader and map cache, GPT-2 from a config, accelerate's bf16 autocast on CPU "
               "(--bf16 --use_cpu), gradient clipping, safetensors checkpoint",
     ),
+    Entry(
+        name="diffusers_unconditional",
+        upstream="huggingface/diffusers", commit="d035dcd7cc7c88e0a154609b62887d50bba9fdc2",
+        files={
+            "examples/unconditional_image_generation/train_unconditional.py":
+                "2bff18c8fe73d92037ae27a5e0f42575d60c75edbd4eb84a13ee1e7795613f2e",
+            "LICENSE": "f9e2070c247517b1ddf65f7b11b393484a18da91a958fd18a97bd0f241c3125c",
+        },
+        script="examples/unconditional_image_generation/train_unconditional.py", cwd=".",
+        # the script never seeds: standins/seed seeds torch, numpy and random at start-up
+        pythonpath=["standins", "standins/seed"], prepare=prepare_diffusers,
+        healthy=["--train_data_dir", "data/train", "--model_config_name_or_path",
+                 "unet_config.json", "--resolution", "16", "--train_batch_size", "4",
+                 "--eval_batch_size", "2", "--num_epochs", "2", "--save_images_epochs", "1",
+                 "--save_model_epochs", "1", "--lr_warmup_steps", "2", "--ddpm_num_steps", "50",
+                 "--ddpm_num_inference_steps", "4", "--checkpointing_steps", "4", "--use_ema",
+                 "--mixed_precision", "bf16", "--output_dir", "out", "--cache_dir", "./cache"],
+        failure=["--learning_rate", "1e20"],
+        outputs=["out/**"],
+        # logging's timestamps; tqdm's bars (the epochs', the sampling pipeline's, datasets'),
+        # masked where a log record follows a bar on its line, then left out (their redraws
+        # follow the machine's speed), with the blank lines they leave
+        volatile=[r"\d\d/\d\d/\d{4} \d\d:\d\d:\d\d",
+                  r"(Epoch \d+: *)?\d+%\|[^|\r\n]*\|[^\]\r\n]*\]",
+                  r"Generating train split: \d+ examples \[[^\]\r\n]*\]"],
+        drop=[r"^(<v>|\s)*$"],
+        target="bfloat16",
+        style="diffusers: accelerate (bf16 autocast on CPU), UNet2DModel from a config, "
+              "DDPMScheduler noise, AdamW with a warmup-cosine schedule and a fixed clip, EMA, "
+              "accelerate's save_state checkpoint, DDPMPipeline sampling, TensorBoard",
+    ),
 ]
 
 
@@ -358,7 +414,8 @@ def materialise(entry: Entry, work: Path) -> None:
 
 def _env(entry: Entry, work: Path) -> dict[str, str]:
     env = dict(os.environ)
-    paths = [str(work if p == "." else STANDINS if p == "standins" else work / p)
+    paths = [str(work if p == "." else STANDINS if p == "standins"
+                 else STANDINS / p.split("/", 1)[1] if p.startswith("standins/") else work / p)
              for p in entry.pythonpath]
     paths += [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env.update(PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1", PYTHONHASHSEED="0",
