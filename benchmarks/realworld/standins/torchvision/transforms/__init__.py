@@ -192,7 +192,7 @@ class CenterCrop:
         th, tw = self.size
         if th > h or tw > w:
             raise NotImplementedError("the stand-in's CenterCrop does not pad")
-        return _crop(img, int(round((h - th) / 2.0)), int(round((w - tw) / 2.0)), th, tw)
+        return _crop(img, round((h - th) / 2.0), round((w - tw) / 2.0), th, tw)
 
 
 class RandomCrop:

@@ -1,6 +1,6 @@
 """``torchvision.transforms.v2``: only what transformers imports at import time."""
 
-from . import functional
 from .. import InterpolationMode
+from . import functional
 
 __all__ = ["InterpolationMode", "functional"]
