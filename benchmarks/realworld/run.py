@@ -777,6 +777,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the checks here")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temp dir)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="entries' variants run at once (each run is one process of one torch "
+                         "thread; default 1)")
     opts = ap.parse_args(argv)
     import tempfile
 
@@ -787,6 +790,8 @@ def main(argv: list[str] | None = None) -> int:
     checks: list[Check] = []
     skipped: dict[str, str] = {}
     t0 = time.monotonic()
+    variants = tuple(opts.variants or (FAST_VARIANTS if opts.fast else ("healthy", "failure")))
+    units = []
     for entry in entries:
         why = verify_sources(entry)
         if why:
@@ -794,10 +799,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{entry.name}: not run ({why}; see benchmarks/realworld/README.md)")
             continue
         print(f"{entry.name} ({entry.upstream}@{entry.commit[:10]})", flush=True)
-        checks += check_entry(entry, modes, root, opts.timeout,
-                              lambda s: print(s, flush=True),
-                              tuple(opts.variants or (FAST_VARIANTS if opts.fast
-                                                      else ("healthy", "failure"))))
+        units += [(entry, v) for v in variants]
+    # each (entry, variant) in its own folder: independent, so they can run side by side
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, opts.jobs)) as pool:
+        for got in pool.map(lambda u: check_entry(u[0], modes, root, opts.timeout,
+                                                  lambda s: print(s, flush=True), (u[1],)),
+                            units):
+            checks += got
     seconds = time.monotonic() - t0
     held = sum(c.ok for c in checks)
     print(f"\n{held} of {len(checks)} checks hold ({len(entries) - len(skipped)} scripts, "

@@ -26,6 +26,7 @@ the experiments contradict loses (:func:`contradiction`), and the report says wh
 from __future__ import annotations
 
 import ast
+import dataclasses
 import itertools
 import math
 import statistics
@@ -750,6 +751,31 @@ def warmup_verdict(ex: Experiments, trace: Trace) -> Finding | None:
               "gap": diff, "noise": noise, "warmup_loss": end})
 
 
+def _scaler_cycles(control: Experiment, trace: Trace) -> bool:
+    """Whether the control's only trouble is GradScaler skipping the steps the original run
+    skipped, which the rules found healthy (its growth-then-backoff cycle: a scale that grows
+    every growth_interval steps overflows and halves, sometimes twice in a row)."""
+    skipped = sorted(s.index for s in trace.steps if s.skipped)
+    return (control.outcome == "diverged" and "skipped" in control.detail and
+            bool(skipped) and sorted(control.skipped) == skipped and
+            len(skipped) < len(trace.steps) / 2)
+
+
+def _by_updates(run: Experiment, control: Experiment) -> tuple[Experiment, int]:
+    """``run``'s losses at the control's steps, each taken where ``run`` had applied as many
+    updates as the control had before that step (``run`` skipped none), and how many steps the
+    control skipped; ``run`` itself where the control skipped none."""
+    skipped = set(control.skipped)
+    if not skipped or run.skipped:
+        return run, 0
+    losses, applied = [], 0
+    for i in range(len(control.losses)):
+        losses.append(run.losses[applied] if applied < len(run.losses) else None)
+        if i not in skipped:
+            applied += 1
+    return dataclasses.replace(run, losses=losses), len(skipped)
+
+
 def silent_verdict(ex: Experiments, trace: Trace) -> Finding | None:
     """Whether a run with no non-finite value learns measurably less than float32 everywhere at
     the same step, beyond the control's spread: the finding that says so, or None."""
@@ -759,6 +785,12 @@ def silent_verdict(ex: Experiments, trace: Trace) -> Finding | None:
         ex.verdict, ex.verdict_text = "undetermined", "the control or the float32 experiment " \
             "did not run"
         return None
+    cycles = _scaler_cycles(control, trace)
+    if cycles:  # the original run again, skips and all: it trained as the original did
+        control.outcome = "trained"
+        control.detail = (f"{control.steps} steps, loss {loss_span(control.losses)}, the "
+                          f"original run's {len(control.skipped)} skipped steps (GradScaler's "
+                          "growth and backoff)")
     ex.control_reproduced = control.outcome == "trained"
     if control.outcome == "diverged":
         # the run itself diverged (a loss 10x its first, a skip streak) with nothing non-finite
@@ -787,17 +819,22 @@ def silent_verdict(ex: Experiments, trace: Trace) -> Finding | None:
                            if fp32.outcome != "trained" else
                            f"the control {control.outcome} ({control.detail})")
         return None
-    gap = loss_gap(control, fp32, ex, control)
+    # GradScaler's skipped steps are its price, not a precision loss: float32 is compared at
+    # the same number of applied updates (its loss after as many updates as the control had)
+    reference, handicap = _by_updates(fp32, control)
+    gap = loss_gap(control, reference, ex, control)
     n = min(len(control.losses), len(fp32.losses))
     if gap is None or n == 0:
         ex.verdict, ex.verdict_text = "undetermined", "no common finite losses to compare"
         return None
     diff, noise = gap
     start = fp32.losses[0]
-    end = sum(v for v in fp32.losses[max(0, n - 5):n] if v is not None) / len(
-        fp32.losses[max(0, n - 5):n])
+    window = [v for v in reference.losses[max(0, n - 5):n] if v is not None]
+    end = sum(window) / len(window) if window else math.nan
     learned = start is not None and start - end > noise
-    where = f"over steps {max(0, n - 5)}-{n - 1}"
+    where = f"over steps {max(0, n - 5)}-{n - 1}" + (
+        f" (float32's at as many applied updates: GradScaler skipped {handicap} of the "
+        "control's steps, its price, not a precision loss)" if handicap else "")
     if diff > noise and learned:
         ex.verdict = "silent-precision"
         ex.verdict_text = (f"float32 everywhere reaches a mean loss of {end:.4g} {where}; this "

@@ -16,6 +16,7 @@ from nanhunt.experiment.ladder import (
     measured_init_scale,
     next_rungs,
     outcome,
+    silent_verdict,
     source_ranges,
     source_rungs,
 )
@@ -591,3 +592,86 @@ def test_an_experiment_line_says_its_outcome_once():
     assert _said(recurred) == "the failure recurred: step 3 / forward / attn"
     trained = Experiment("fp32", outcome="trained", detail="5 steps, loss 3.6 -> 3.5")
     assert _said(trained) == "trained: 5 steps, loss 3.6 -> 3.5"
+
+
+# ----------------------------------------------------------------------------- no failure found
+
+
+def _healthy(losses, skipped=()) -> Trace:
+    t = Trace(run=RunInfo(target="float16", device="cpu", scaler=True, autocast=True,
+                          dtypes=["float16", "float32"], status="complete"))
+    t.steps = [StepRecord(index=i, loss=v, skipped=i in skipped) for i, v in enumerate(losses)]
+    return t
+
+
+def _judged(original: Trace, rung: str, rerun: Trace) -> Experiment:
+    return outcome(Experiment(rung=rung, fixes=[] if rung == "control" else ["fp32-all"],
+                              target_steps=len(rerun.steps)), original, rerun, exit_code=0)
+
+
+def test_gradscaler_skips_the_original_also_made_are_compared_at_as_many_updates():
+    """A scaler that grows every 2 steps skips every third: the float16 run's loss after k
+    applied updates equals float32's after k; compared step for step it looks 'behind'."""
+    n, skipped = 30, {i for i in range(30) if i % 3 == 2}
+    fp32 = [3.0 - 0.05 * i for i in range(n)]  # float32: one update a step
+    ctl, applied = [], 0
+    for i in range(n):
+        ctl.append(fp32[applied])  # the same loss after as many updates
+        applied += i not in skipped
+    original = _healthy(ctl, skipped)
+    ex = Experiments()
+    control = _judged(original, "control", _rerun(ctl, status="complete", skipped=skipped))
+    # two skips in a row would read as a skip streak; these are every third step
+    ex.runs = [control, _judged(original, "fp32", _rerun(fp32, status="complete"))]
+    assert silent_verdict(ex, original) is None, ex.verdict_text
+    assert "as many applied updates" in ex.verdict_text and "skipped 10" in ex.verdict_text
+    # the same run learning less per update (a real precision loss) is still found
+    worse = [v + 0.01 * i for i, v in enumerate(ctl)]
+    original = _healthy(worse, skipped)
+    ex = Experiments()
+    ex.runs = [_judged(original, "control", _rerun(worse, status="complete", skipped=skipped)),
+               _judged(original, "fp32", _rerun(fp32, status="complete"))]
+    found = silent_verdict(ex, original)
+    assert found is not None and found.kind == "silent_precision", ex.verdict_text
+
+
+def test_a_streak_of_skips_the_original_run_also_had_is_its_scaler_not_a_divergence():
+    n, skipped = 30, {10, 11, 20, 21}
+    losses = [3.0 - 0.05 * i for i in range(n)]
+    original = _healthy(losses, skipped)
+    control = _judged(original, "control", _rerun(losses, status="complete", skipped=skipped))
+    assert control.outcome == "diverged" and "skipped" in control.detail  # two in a row
+    ex = Experiments()
+    ex.runs = [control, _judged(original, "fp32", _rerun(losses, status="complete"))]
+    assert silent_verdict(ex, original) is None
+    assert control.outcome == "trained" and "the original run's 4 skipped" in control.detail
+    # skips the original did not have are the control's own: a divergence still
+    original = _healthy(losses, {10, 11})
+    control = _judged(original, "control", _rerun(losses, status="complete", skipped=skipped))
+    ex = Experiments()
+    ex.runs = [control, _judged(original, "fp32", _rerun(losses, status="complete"))]
+    found = silent_verdict(ex, original)
+    assert found is not None and found.kind == "divergence"
+
+
+def test_a_rung_that_stayed_finite_but_did_not_learn_is_not_a_cure():
+    """float32 everywhere ran to the horizon with finite losses, but its loss rose while the
+    control's fell before the failure: not a precision verdict."""
+    t = _original(8)
+    ex = _ex(t, control="recurred")
+    ex.runs[0].losses = [2.0 - 0.1 * i for i in range(8)]
+    rising = Experiment(rung="fp32", fixes=["fp32-all"], outcome="trained",
+                        losses=[2.0 + 0.1 * i for i in range(20)], steps=20, target_steps=20)
+    ex.runs.append(rising)
+    classify(ex, t)
+    assert ex.verdict not in ("precision", "precision-range", "precision-resolution",
+                              "loss-scaling"), ex.verdict_text
+    assert "did not learn" in ex.verdict_text
+    # the same rung learning is a cure
+    ex = _ex(t, control="recurred")
+    ex.runs[0].losses = [2.0 - 0.1 * i for i in range(8)]
+    ex.runs.append(Experiment(rung="fp32", fixes=["fp32-all"], outcome="trained",
+                              losses=[2.0 - 0.05 * i for i in range(20)], steps=20,
+                              target_steps=20))
+    classify(ex, t)
+    assert ex.verdict.startswith("precision"), ex.verdict_text
