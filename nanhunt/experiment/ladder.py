@@ -696,6 +696,10 @@ def silent_candidate(trace: Trace) -> bool:
              blew_up(trace, trace.steps) is not None))
 
 
+#: a run "learns less" than float32 only by at least this share of what float32 learned (its
+#: first loss less its mean over the last steps): two precisions' trajectories part by a few
+#: percent on a healthy run, systematically (CPU float16 autocast keeps softmax in float16)
+SILENT_SHARE = 0.10
 #: a warm-up "helps" only where it removes at least this part of the loss it reaches
 WARMUP_GAIN = 0.25
 
@@ -832,10 +836,11 @@ def silent_verdict(ex: Experiments, trace: Trace) -> Finding | None:
     window = [v for v in reference.losses[max(0, n - 5):n] if v is not None]
     end = sum(window) / len(window) if window else math.nan
     learned = start is not None and start - end > noise
+    material = start is not None and diff >= SILENT_SHARE * (start - end)
     where = f"over steps {max(0, n - 5)}-{n - 1}" + (
         f" (float32's at as many applied updates: GradScaler skipped {handicap} of the "
         "control's steps, its price, not a precision loss)" if handicap else "")
-    if diff > noise and learned:
+    if diff > noise and learned and material:
         ex.verdict = "silent-precision"
         ex.verdict_text = (f"float32 everywhere reaches a mean loss of {end:.4g} {where}; this "
                            f"run's control {end + diff:.4g}: {diff:.3g} higher, beyond the noise "
@@ -848,7 +853,11 @@ def silent_verdict(ex: Experiments, trace: Trace) -> Finding | None:
             evidence=[ex.verdict_text], step=n - 1,
             data={"gap": diff, "noise": noise, "fp32_loss": end})
     ex.verdict = ""
-    ex.verdict_text = (f"no silent precision loss: the loss is within {noise:.3g} of float32 "
-                       f"everywhere {where} ({diff:+.3g})" if learned else
-                       "float32 everywhere does not learn measurably either: no comparison")
+    ex.verdict_text = (
+        "float32 everywhere does not learn measurably either: no comparison" if not learned else
+        f"no silent precision loss: the loss is within {noise:.3g} of float32 everywhere "
+        f"{where} ({diff:+.3g})" if diff <= noise else
+        f"no material precision loss: the loss is {diff:.3g} above float32 everywhere's {where}, "
+        f"beyond the noise {noise:.3g} but {diff / (start - end):.0%} of what float32 learned "
+        f"({start:.4g} -> {end:.4g}; a silent failure needs {SILENT_SHARE:.0%})")
     return None
