@@ -38,7 +38,10 @@ PATTERNS = {
                          "attention", ["--qk-norm"]),
     "output-logits": (["--hot", "{head}", "--hot-lr", "10"], "logit-growth", "logit_growth",
                       "head", ["--hot-lr", "0.003"]),
-    "lr-far-too-high": (["--lr", "1"], ("loss-divergence", "experiment-divergence"),
+    # the loss's divergence (by the rule, or by the control and the lr rungs), or the weights'
+    # growth under the updates that makes it (the same kind and fix: a lower lr)
+    "lr-far-too-high": (["--lr", "1"], ("loss-divergence", "experiment-divergence",
+                                        "weight-growth"),
                         "lr_too_high", None, ["--lr", "1e-3"]),
     "post-ln-no-warmup": (["--post-ln", "--depth", "4", "--lr", "0.03"], "post-ln-warmup",
                           "lr_too_high", None, ["--warmup", "20"]),
