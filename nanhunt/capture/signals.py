@@ -16,8 +16,6 @@ finite magnitude for that module (attention scores before softmax).
 
 from __future__ import annotations
 
-import functools
-
 __all__ = ["SignalObserver"]
 
 from typing import Any
@@ -54,6 +52,9 @@ class SignalObserver(Part):
         self._counts: dict[str, int] = {}
         self.groups: dict[str, ParamGroupInfo] = {}
         self._in_softmax = False
+        # each sampled layout's element weights, made once (the same tensors every step); held
+        # by this observer, so they go with it
+        self._weights: dict[tuple, torch.Tensor] = {}
 
     def install(self, stack: Any) -> None:
         stack.enter_context(_O.register_optimizer_step_pre_hook(self._on_pre))
@@ -128,9 +129,9 @@ class SignalObserver(Part):
                 continue
             name = self._group_name(optimizer, i, params)
             if _one_device(params):
-                g, weight = _sample([p.grad for p in params])
+                g, weight = _sample(self._weights, [p.grad for p in params])
                 self._queue(step, (g.double().pow(2) * weight).sum(), name, "grad_norm")
-            copy = _sample(params) if _one_device(params) else None
+            copy = _sample(self._weights, params) if _one_device(params) else None
             kept.append((name, params, copy))
             lr = group.get("lr")
             if isinstance(lr, (int, float)) and not isinstance(lr, bool):
@@ -146,7 +147,7 @@ class SignalObserver(Part):
         for name, params, copy in kept:
             if copy is not None:
                 before, weight = copy
-                after = _sample(params)[0]  # (the same elements, after the update)
+                after = _sample(self._weights, params)[0]  # the same elements, after it
                 self._queue(step, (after.double().pow(2) * weight).sum(), name, "weight_norm")
                 delta = after - before
                 total = sum(_stats.local(p).numel() for p in params)
@@ -156,7 +157,7 @@ class SignalObserver(Part):
             moments = [v for v in (_moment2(optimizer.state.get(p)) for p in params)
                        if v is not None]
             if moments and _one_device(moments):
-                v, weight = _sample(moments)
+                v, weight = _sample(self._weights, moments)
                 self._queue(step, v.max(), name, "moment2_max", sqrt=False)
                 self._queue(step, (v.double() * weight).sum() / weight.sum(), name,
                             "moment2_mean", sqrt=False)
@@ -204,12 +205,14 @@ class SignalObserver(Part):
         self.rec.scalar(amax, f"smax\0{self.cur.frames[-1].name}")
 
 
-def _sample(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(cache: dict[tuple, torch.Tensor], tensors: list[torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to SAMPLE evenly strided elements of each tensor, as one float32 vector (a copy), and
     each element's weight (how many elements of its tensor it stands for): weighted sums over
     the sample estimate sums over the tensors without copying them (exact for tensors of SAMPLE
     elements or fewer). A DTensor contributes its local shard: the signals of a sharded group
-    are this rank's."""
+    are this rank's. The weights are made once per layout and kept in ``cache`` (building them
+    each step cost more than the sums they weight); callers never change them in place."""
     parts, weights = [], []
     for t in tensors:
         flat = _stats.local(t).detach().reshape(-1)  # a DTensor's local shard (FSDP2)
@@ -218,16 +221,13 @@ def _sample(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         parts.append(part)
         weights.append(flat.numel() / part.numel())
     sample = torch.cat(parts).float()
-    return sample, _weights(tuple(weights), tuple(q.numel() for q in parts), sample.device)
-
-
-@functools.lru_cache(maxsize=64)
-def _weights(weights: tuple[float, ...], counts: tuple[int, ...],
-             device: torch.device) -> torch.Tensor:
-    """Each sampled element's weight, made once per layout (the same tensors give the same
-    layout every step: building it each step cost more than the signals it weights)."""
-    return torch.repeat_interleave(torch.tensor(weights, dtype=torch.float64, device=device),
-                                   torch.tensor(counts, device=device))
+    key = (tuple(weights), tuple(q.numel() for q in parts), sample.device)
+    weight = cache.get(key)
+    if weight is None:
+        weight = cache[key] = torch.repeat_interleave(
+            torch.tensor(weights, dtype=torch.float64, device=sample.device),
+            torch.tensor(key[1], device=sample.device))
+    return sample, weight
 
 
 def _moment2(state: Any) -> torch.Tensor | None:

@@ -38,7 +38,7 @@ from nanhunt.analyse.curve_advice import warmup_steps
 from nanhunt.analyse.diagnose.curves import no_warmup, post_ln_blocks
 from nanhunt.fixspec import number
 from nanhunt.formats import get_format
-from nanhunt.trace import Experiment, Experiments, Finding, Trace
+from nanhunt.trace import Experiment, Experiments, Finding, StepRecord, Trace
 
 __all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "contradiction", "drop",
            "failure_step", "first_rungs", "half_optimizer", "horizon", "learning", "lines_runs",
@@ -113,18 +113,18 @@ def first_rungs(trace: Trace) -> list[Rung]:
     return rungs
 
 
-def suspect_rungs(trace: Trace) -> list[Rung]:
+def suspect_rungs(trace: Trace, steps: int | None = None) -> list[Rung]:
     """The experiments a run with no failure found calls for by its structure alone: a post-LN
     transformer (its blocks normalise after the residual add) trained at its full learning rate
-    from the first step gets a linear warm-up (Xiong et al. 2020) over half the run, at most
-    Adam's 2 / (1 - beta2) steps. Its re-run says whether the run learns measurably more with
-    it (:func:`warmup_verdict`)."""
+    from the first step gets a linear warm-up (Xiong et al. 2020) over half the re-run
+    (``steps``, the whole run by default), at most Adam's 2 / (1 - beta2) steps. Its re-run says
+    whether the run learns measurably more with it (:func:`warmup_verdict`)."""
     if not trace.optimizers or no_warmup(trace) is None or not post_ln_blocks(trace):
         return []
     beta2 = next((o.beta2 for o in trace.optimizers if o.beta2 is not None and 0 < o.beta2 < 1),
                  None)
     k = max(2, min(warmup_steps(beta2) if beta2 is not None else warmup_steps(),
-                   len(trace.steps) // 2))
+                   (steps or len(trace.steps)) // 2))  # half of what the re-run will run
     return [Rung("warmup", (f"warmup={k}",),
                  f"does a linear warm-up over {k} steps make this post-LN transformer learn "
                  "more?")]
@@ -574,7 +574,7 @@ def classify(ex: Experiments, trace: Trace) -> None:
         elif cured(bf16, ex):
             verdict, mid = "precision-range", "bfloat16 does too"
         elif bf16 is not None and (bf16.outcome in _FAILED or unlearned(bf16, ex)):
-            verdict, mid = "precision-resolution", f"bfloat16 does not ({bf16.outcome})"
+            verdict, mid = "precision-resolution", f"bfloat16 does not ({_how(bf16, ex)})"
         elif bf16 is None and not _float16(trace):
             verdict, mid = "precision-resolution", "the run is bfloat16 already (float32's range)"
         else:  # bfloat16 did not run (the budget) or crashed: range or resolution unknown
@@ -700,7 +700,8 @@ def silent_candidate(trace: Trace) -> bool:
 #: first loss less its mean over the last steps): two precisions' trajectories part by a few
 #: percent on a healthy run, systematically (CPU float16 autocast keeps softmax in float16)
 SILENT_SHARE = 0.10
-#: a warm-up "helps" only where it removes at least this part of the loss it reaches
+#: a warm-up "helps" only where the control's loss is above the warm-up's by at least this
+#: share of what the warm-up's loss fell
 WARMUP_GAIN = 0.25
 
 
@@ -712,15 +713,20 @@ def warmup_verdict(ex: Experiments, trace: Trace) -> Finding | None:
     control, warm = _run(ex, "control"), _run(ex, "warmup")
     if control is None or warm is None:
         return None
+
+    def say(text: str) -> None:
+        ex.verdict_text = "; ".join(filter(None, [ex.verdict_text, text]))
+
     if control.outcome != "trained" or warm.outcome != "trained":
-        ex.verdict_text = "; ".join(filter(None, [ex.verdict_text, (
-            f"the warm-up experiment {warm.outcome} ({warm.detail})"
-            if warm.outcome != "trained" else "")]))
+        say(f"the warm-up experiment {warm.outcome} ({warm.detail})"
+            if warm.outcome != "trained" else
+            f"no warm-up comparison: the control {control.outcome} ({control.detail})")
         return None
     gap = loss_gap(control, warm, ex, control)
     n = min(len(control.losses), len(warm.losses))
     start = warm.losses[0] if warm.losses else None
     if gap is None or n == 0 or start is None:
+        say("no warm-up comparison: no common finite losses")
         return None
     diff, noise = gap
     window = warm.losses[max(0, n - 5):n]
@@ -731,8 +737,7 @@ def warmup_verdict(ex: Experiments, trace: Trace) -> Finding | None:
     said = (f"with a linear warm-up over {k} steps (--fix {warm.fixes[0]}) the mean loss {where} "
             f"is {end:.4g}; this run's control {end + diff:.4g}")
     if not (diff > noise and gain > noise and diff >= WARMUP_GAIN * gain):
-        ex.verdict_text = "; ".join(filter(None, [ex.verdict_text, (
-            f"no gain from a warm-up: {said} ({diff:+.3g}, noise {noise:.3g})")]))
+        say(f"no gain from a warm-up: {said} ({diff:+.3g}, noise {noise:.3g})")
         return None
     blocks = [b for b, _ in post_ln_blocks(trace)]
     lr = no_warmup(trace)
@@ -745,7 +750,8 @@ def warmup_verdict(ex: Experiments, trace: Trace) -> Finding | None:
         rule="post-ln-warmup", kind="lr_too_high", severity="error", phase="optimizer", step=0,
         module=blocks[0] if blocks else None, score=7.0,
         message=(f"a post-LN transformer ({blocks[0] if blocks else 'its blocks'} and its like) "
-                 f"trained at lr {lr:.3g} from the first step learns measurably less than with "
+                 + (f"trained at lr {lr:.3g}" if lr is not None else "trained at its full lr")
+                 + " from the first step learns measurably less than with "
                  f"a warm-up: mean loss {end + diff:.4g} against {end:.4g} {where}"),
         evidence=[f"{len(blocks)} post-LN block{'s' if len(blocks) != 1 else ''} "
                   f"({', '.join(blocks[:4])}{', ...' if len(blocks) > 4 else ''}): each "
@@ -755,14 +761,58 @@ def warmup_verdict(ex: Experiments, trace: Trace) -> Finding | None:
               "gap": diff, "noise": noise, "warmup_loss": end})
 
 
-def _scaler_cycles(control: Experiment, trace: Trace) -> bool:
-    """Whether the control's only trouble is GradScaler skipping the steps the original run
-    skipped, which the rules found healthy (its growth-then-backoff cycle: a scale that grows
-    every growth_interval steps overflows and halves, sometimes twice in a row)."""
-    skipped = sorted(s.index for s in trace.steps if s.skipped)
-    return (control.outcome == "diverged" and "skipped" in control.detail and
-            bool(skipped) and sorted(control.skipped) == skipped and
-            len(skipped) < len(trace.steps) / 2)
+def _diverged_at(e: Experiment) -> int:
+    """Where a re-run diverged: its first non-finite loss, its first loss above BLOWUP x its
+    first, or the first step of its longest run of skipped steps; its last step otherwise."""
+    bad = next((i for i, v in enumerate(e.losses) if v is not None and not math.isfinite(v)),
+               None)
+    if bad is not None:
+        return bad
+    first = next((v for v in e.losses if v is not None), None)
+    if first is not None and first != 0:
+        big = next((i for i, v in enumerate(e.losses)
+                    if v is not None and abs(v) > BLOWUP * abs(first)), None)
+        if big is not None:
+            return big
+    if e.skipped:
+        runs, start = [], None
+        s = sorted(e.skipped)
+        for i, v in enumerate(s):
+            if i == 0 or v != s[i - 1] + 1:
+                start = v
+            runs.append((v - start, -start))  # type: ignore[operator]
+        return -max(runs)[1]
+    return max(0, len(e.losses) - 1)
+
+
+def _scaler_cycles(e: Experiment, trace: Trace) -> bool:
+    """Whether a re-run's only trouble is GradScaler skipping steps as the original run did,
+    which the rules found healthy (its growth-then-backoff cycle: a scale that grows every
+    growth_interval steps overflows and halves, sometimes twice in a row): its losses finite and
+    not blown up, its longest run of skipped steps and their count no worse than the original's
+    over the steps it ran (a re-run stopped at --max-steps ran fewer; skips may shift a step),
+    and under half its steps skipped."""
+    if e.outcome != "diverged" or "skipped" not in e.detail or not e.skipped:
+        return False
+    if any(v is None or not math.isfinite(v) for v in e.losses):
+        return False
+    first = next((v for v in e.losses if v is not None), None)
+    if first is not None and first != 0 and max(abs(v) for v in e.losses  # type: ignore[arg-type]
+                                                ) > BLOWUP * abs(first):
+        return False
+    ran = len(e.losses)
+    original = sorted(s.index for s in trace.steps if s.skipped and s.index < ran)
+    return (bool(original) and _longest_run(sorted(e.skipped)) <= _longest_run(original) and
+            len(e.skipped) <= len(original) and len(e.skipped) < ran / 2)
+
+
+def _excuse_cycles(e: Experiment | None, trace: Trace) -> None:
+    """A re-run whose skips are the original's growth-and-backoff cycle trained, as the original
+    did: say so in its outcome."""
+    if e is not None and _scaler_cycles(e, trace):
+        e.outcome = "trained"
+        e.detail = (f"{e.steps} steps, loss {loss_span(e.losses)}, {len(e.skipped)} skipped "
+                    "steps like the original run's (GradScaler's growth and backoff)")
 
 
 def _by_updates(run: Experiment, control: Experiment) -> tuple[Experiment, int]:
@@ -789,31 +839,39 @@ def silent_verdict(ex: Experiments, trace: Trace) -> Finding | None:
         ex.verdict, ex.verdict_text = "undetermined", "the control or the float32 experiment " \
             "did not run"
         return None
-    cycles = _scaler_cycles(control, trace)
-    if cycles:  # the original run again, skips and all: it trained as the original did
-        control.outcome = "trained"
-        control.detail = (f"{control.steps} steps, loss {loss_span(control.losses)}, the "
-                          f"original run's {len(control.skipped)} skipped steps (GradScaler's "
-                          "growth and backoff)")
+    for e in ex.runs:  # the original's scaler cycles, skips and all: trained as it did
+        _excuse_cycles(e, trace)
     ex.control_reproduced = control.outcome == "trained"
     if control.outcome == "diverged":
-        # the run itself diverged (a loss 10x its first, a skip streak) with nothing non-finite
-        # traced: never OK; float32 everywhere says whether precision is the cause
+        # the script, re-run unchanged, diverged (a loss 10x its first, a skip streak) with
+        # nothing non-finite traced: never OK; float32 everywhere says whether precision is
+        # the cause, where it ran to its end
         precision = fp32 is not None and fp32.outcome == "trained"
         ex.control_reproduced = True
-        ex.verdict = "precision-range" if precision else "not-precision"
-        ex.verdict_text = ("the control diverges too; " + (
-            "the run is in float32: not precision-specific" if fp32 is None else
-            "float32 everywhere " + ("trains: a precision failure" if precision else
-                                     f"{fp32.outcome} too ({fp32.detail}): not "
-                                     "precision-specific")))
-        first = next((v for v in control.losses if v is not None and math.isfinite(v)), None)
-        step = next((i for i, v in enumerate(control.losses) if first and v is not None and
-                     math.isfinite(v) and abs(v) > BLOWUP * abs(first)),
-                    len(control.losses) - 1)
+        if fp32 is None:
+            ex.verdict, said = "not-precision", "the run is in float32: not precision-specific"
+        elif precision:
+            ex.verdict, said = "precision-range", "float32 everywhere trains: a precision failure"
+        elif fp32.outcome in _FAILED:
+            ex.verdict = "not-precision"
+            said = f"float32 everywhere {fp32.outcome} too ({fp32.detail}): not precision-specific"
+        else:  # crashed or stopped: precision neither shown nor ruled out
+            ex.verdict = "undetermined"
+            said = f"the float32 experiment {fp32.outcome} ({fp32.detail}): precision not told"
+        ex.verdict_text = "the script re-run unchanged diverges; " + said
         return Finding(rule="experiment-divergence", kind="divergence", severity="error",
                        message=f"the training diverged: {control.detail}",
-                       evidence=[ex.verdict_text], step=step)
+                       evidence=[ex.verdict_text], step=_diverged_at(control))
+    if control.outcome != "trained":
+        ex.verdict = "undetermined"
+        ex.verdict_text = f"the control {control.outcome} ({control.detail})"
+        return None
+    if blew_up(trace, trace.steps) is not None and blew_up(trace, [
+            StepRecord(index=i, loss=v) for i, v in enumerate(control.losses)]) is None:
+        ex.verdict = "not-reproduced"
+        ex.verdict_text = (f"the original run's loss blew up ({blew_up(trace, trace.steps)}); "
+                           f"re-run unchanged it did not ({control.detail})")
+        return None
     if fp32 is None:  # a float32 run: no precision comparison to make
         ex.verdict, ex.verdict_text = "", ""
         return None

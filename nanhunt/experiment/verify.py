@@ -481,9 +481,11 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         return
     if silent:
         # no problem found: compare the whole run with float32 everywhere (a silent failure)
-        v.note = "no problem was found: the run was compared with " + " and ".join(
-            {"fp32": "float32 everywhere", "warmup": "a learning-rate warm-up"}[r.name]
-            for r in first_rungs(trace) + suspect_rungs(trace) if r.name != "control")
+        compared = [{"fp32": "float32 everywhere", "warmup": "a learning-rate warm-up"}[r.name]
+                    for r in first_rungs(trace) + suspect_rungs(trace) if r.name != "control"]
+        v.note = ("no problem was found: the run was compared with " + " and ".join(compared)
+                  if compared else "no rule explained the loss's blow-up: the script was re-run "
+                  "unchanged to check it")
         steps = len(trace.steps) if not cfg.max_steps else min(len(trace.steps),
                                                                   cfg.max_steps)
         v.target_steps = ex.horizon = steps
@@ -494,7 +496,7 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         BUDGET_MIN, BUDGET_FACTOR * (cfg.script_seconds or 10.0))
     v.budget_seconds = ex.budget_seconds = round(budget, 2)
     candidates = verify_order(trace.recommendations)
-    first = first_rungs(trace) + (suspect_rungs(trace) if silent else [])
+    first = first_rungs(trace) + (suspect_rungs(trace, steps) if silent else [])
     progress = _Progress(cfg.quiet)
     progress.say(
         f"nanhunt: diagnosing by experiment: re-running the script (a control, the experiment "
@@ -630,13 +632,17 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                 # own before one that only stayed finite
                 trained = [e for name in ("lr-0.1", "lr-0.01") for e in ex.runs
                            if e.rung == name and e.outcome == "trained"]
-                lr = next((e for e in trained if "its own diagnosis" not in e.detail and
-                           (_drop(e.losses) or 0) > 0), trained[0] if trained else None)
+                lr = next((e for e in trained if _learned_cleanly(e)), None)
                 if lr is not None:
                     ex.verdict = "optimisation"
                     ex.verdict_text += f"; a learning rate x{lr.fixes[0].split('=')[1]} " \
-                        "trains: an optimisation failure (the learning rate)"
+                        "trains and learns: an optimisation failure (the learning rate)"
                     _lr_rung_recommendation(trace, ex, lr, finding)
+                elif trained:
+                    ex.verdict_text += "; " + " and ".join(
+                        f"a learning rate x{e.fixes[0].split('=')[1]}" for e in trained) + \
+                        " stayed finite but did not learn or failed otherwise (" + \
+                        "; ".join(e.detail for e in trained) + ")"
         elif ex.control_reproduced:
             rungs = [rung_task(r) for r in next_rungs(trace, ex)]
             fp32 = next((e for e in ex.runs if e.rung == "fp32"), None)
@@ -785,7 +791,7 @@ def _said(e: Experiment) -> str:
 
 def _conditions(result: FixTry, e: Experiment, ex: Experiments) -> None:
     """Fill which conditions of "verified" held; verified only when every one did."""
-    fp32 = next((x for x in ex.runs if x.rung == "fp32" and x.outcome == "trained"), None)
+    fp32 = next((x for x in ex.runs if x.rung == "fp32" and cured(x, ex)), None)
     c: dict[str, bool | None] = {
         "control_reproduced": bool(ex.control_reproduced),
         "past_horizon": e.steps >= e.target_steps or (e.ended and ex.failure_step is not None
@@ -822,7 +828,7 @@ def _master_recommendation(trace: Trace, ex: Experiments) -> Recommendation | No
     """The float32-master-weights fix where its rung trained: the rules' recommendation of it,
     or one made from the experiment where no rule proposed it (its re-run is then read again as
     its try, like any rung's)."""
-    e = next((x for x in ex.runs if x.rung == "fp32-master" and x.outcome == "trained"), None)
+    e = next((x for x in ex.runs if x.rung == "fp32-master" and cured(x, ex)), None)
     if e is None:
         return None
     rec = next((r for r in trace.recommendations if r.fix == ["fp32-master"]), None)
@@ -860,7 +866,8 @@ def _rung_recommendation(trace: Trace, ex: Experiments, e: Experiment, type_: st
                          "past_horizon": e.steps >= e.target_steps,
                          "finite": e.outcome == "trained", "no_skip_streak":
                          "skipped" not in e.detail,
-                         "learned": None if drop is None else drop > 0,
+                         "learned": drop is not None and drop > 0
+                         and "its own diagnosis" not in e.detail,
                          "within_fp32_noise": None}
     result.verified = all(v is not False for v in result.conditions.values())
     rec.tries.append(result)
@@ -880,8 +887,10 @@ def _warmup_recommendation(trace: Trace, ex: Experiments, finding: Finding) -> N
     """The warm-up that its experiment showed the run learns more with."""
     e = next(x for x in ex.runs if x.rung == "warmup")
     control = next(x for x in ex.runs if x.rung == "control")
+    # the control showed the original's curve again: the same losses, or within half the
+    # warm-up's gain of them (its difference from the original cannot make up the gain)
     ex.control_reproduced = bool(ex.deterministic or (
-        ex.spread is not None and ex.spread <= finding.data["noise"] / 2))
+        ex.spread is not None and ex.spread <= finding.data["gap"] / 2))
     like = ("its losses are the original run's" if ex.deterministic else
             f"within {ex.spread:.3g} of the original run's losses" if ex.spread is not None else
             "not compared with the original run's losses")
@@ -891,6 +900,14 @@ def _warmup_recommendation(trace: Trace, ex: Experiments, finding: Finding) -> N
          "learning rate (Xiong et al. 2020); longer runs: about 2 / (1 - beta2) steps for Adam "
          "(Ma & Yarats 2021)"],
         f"the control, unfixed, ran {control.steps} steps and learned less ({like})")
+
+
+def _learned_cleanly(e: Experiment) -> bool:
+    """A rung of a run with no failure found that trained, learned (its loss fell) and made no
+    failure of its own."""
+    d = _drop(e.losses)
+    return e.outcome == "trained" and "its own diagnosis" not in e.detail and \
+        d is not None and d > 0
 
 
 def _lr_rung_recommendation(trace: Trace, ex: Experiments, e: Experiment,
@@ -913,7 +930,7 @@ def _lr_rung_recommendation(trace: Trace, ex: Experiments, e: Experiment,
 def _lines_recommendation(trace: Trace, ex: Experiments) -> Recommendation | None:
     """The source rung's cure: float32 for the ops written on the narrowest lines whose rung
     trained (``ex.lines``), as a recommendation whose try is that rung's re-run."""
-    trained = [e for e in lines_runs(ex) if e.outcome == "trained"]
+    trained = [e for e in lines_runs(ex) if cured(e, ex)]
     if not trained:
         return None
     e = trained[0]  # the narrowest
@@ -940,7 +957,7 @@ def _adopt_lr_rung(trace: Trace, ex: Experiments) -> None:
     that is less drastic than the rule's estimate (which aims an update-to-weight ratio at
     1e-3 and can ask for x1e-5 where x0.01 trains): the experiment measured it; the rung's
     re-run then verifies it."""
-    trained = [e for e in ex.runs if e.rung.startswith("lr-") and e.outcome == "trained"
+    trained = [e for e in ex.runs if e.rung.startswith("lr-") and cured(e, ex)
                and e.fixes]
     if not trained:
         return

@@ -4,6 +4,7 @@ makes a fix verified. Torch-free."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -19,6 +20,7 @@ from nanhunt.experiment.ladder import (
     silent_verdict,
     source_ranges,
     source_rungs,
+    warmup_verdict,
 )
 from nanhunt.experiment.verify import (
     _adopt_lr_rung,
@@ -644,7 +646,22 @@ def test_a_streak_of_skips_the_original_run_also_had_is_its_scaler_not_a_diverge
     ex = Experiments()
     ex.runs = [control, _judged(original, "fp32", _rerun(losses, status="complete"))]
     assert silent_verdict(ex, original) is None
-    assert control.outcome == "trained" and "the original run's 4 skipped" in control.detail
+    assert control.outcome == "trained" and "4 skipped steps like the original run's" in \
+        control.detail
+    # a re-run stopped at --max-steps made only the first of the original's streaks: the same
+    control = _judged(original, "control", _rerun(losses[:15], status="stopped",
+                                                  skipped={10, 11}))
+    ex = Experiments()
+    ex.runs = [control, _judged(original, "fp32", _rerun(losses[:15], status="stopped"))]
+    assert silent_verdict(ex, original) is None and control.outcome == "trained"
+    # skips that come with a blown-up loss are no scaler cycle: a divergence
+    blown = [1.0] * 15 + [20.0] * 15
+    original = _healthy(blown, skipped)
+    control = _judged(original, "control", _rerun(blown, status="complete", skipped=skipped))
+    ex = Experiments()
+    ex.runs = [control, _judged(original, "fp32", _rerun(losses, status="complete"))]
+    found = silent_verdict(ex, original)
+    assert found is not None and found.kind == "divergence" and found.step == 15  # 20 > 10x 1
     # skips the original did not have are the control's own: a divergence still
     original = _healthy(losses, {10, 11})
     control = _judged(original, "control", _rerun(losses, status="complete", skipped=skipped))
@@ -675,3 +692,42 @@ def test_a_rung_that_stayed_finite_but_did_not_learn_is_not_a_cure():
                               target_steps=20))
     classify(ex, t)
     assert ex.verdict.startswith("precision"), ex.verdict_text
+
+
+def test_a_warmup_that_learns_more_than_the_control_by_a_material_share_is_a_finding():
+    fp32 = _healthy([3.0] * 20)
+    fp32.run = RunInfo(status="complete")
+    control = Experiment(rung="control", outcome="trained", steps=20, target_steps=20,
+                         losses=[3.0 - 0.03 * i for i in range(20)])  # 3.0 -> 2.43
+    warm = Experiment(rung="warmup", fixes=["warmup=10"], outcome="trained", steps=20,
+                      target_steps=20, losses=[3.0 - 0.08 * i for i in range(20)])  # -> 1.48
+    ex = Experiments(runs=[control, warm], deterministic=True, spread=0.0)
+    found = warmup_verdict(ex, fp32)
+    assert found is not None and found.rule == "post-ln-warmup" and found.kind == "lr_too_high"
+    # the gap over the last five steps, by hand: 0.05 x 17 = 0.85 (loss_gap's means)
+    assert found.data["gap"] == pytest.approx(0.05 * 17) and found.data["warmup"] == 10
+    assert ex.verdict == "optimisation"
+    # a warm-up that only matches the control (within noise), or gains a sliver: no finding
+    for losses in ([3.0 - 0.03 * i for i in range(20)], [3.0 - 0.031 * i for i in range(20)]):
+        ex = Experiments(runs=[control, dataclasses.replace(warm, losses=losses)],
+                         deterministic=True, spread=0.0)
+        assert warmup_verdict(ex, fp32) is None and "no gain from a warm-up" in ex.verdict_text
+    # a crashed warm-up says so
+    ex = Experiments(runs=[control, dataclasses.replace(warm, outcome="crashed",
+                                                        detail="re-run crashed: boom")])
+    assert warmup_verdict(ex, fp32) is None and "crashed" in ex.verdict_text
+
+
+def test_the_lr_rung_chosen_for_a_divergence_learned_and_made_no_failure_of_its_own():
+    from nanhunt.experiment.verify import _learned_cleanly
+
+    rising = Experiment(rung="lr-0.1", fixes=["lr-factor=0.1"], outcome="trained",
+                        losses=[1.0 + 0.01 * i for i in range(20)])
+    own = Experiment(rung="lr-0.1", fixes=["lr-factor=0.1"], outcome="trained",
+                     detail="(its own diagnosis, not the original failure: logit growth) ",
+                     losses=[1.0 - 0.01 * i for i in range(20)])
+    good = Experiment(rung="lr-0.01", fixes=["lr-factor=0.01"], outcome="trained",
+                      losses=[1.0 - 0.01 * i for i in range(20)])
+    unknown = dataclasses.replace(good, losses=[1.0, None, 0.9, 0.8, 0.7])
+    assert [_learned_cleanly(e) for e in (rising, own, good, unknown)] == \
+        [False, False, True, False]
