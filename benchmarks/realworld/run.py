@@ -35,6 +35,7 @@ import dataclasses
 import fnmatch
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -200,6 +201,16 @@ class Entry:
     # non-finite values the script makes on purpose (its README entry says which): locator
     # events matching every key of one of these are not the failure
     deliberate: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    # the sources/ folder, where the entry runs another entry's files (default: its name)
+    sources: str = ""
+    # a compiled run: the locator's TorchDispatchMode runs the model eagerly, whose numerics
+    # differ (inductor fuses), so its event is no reference for the step; the plain run's own
+    # printed losses are (``loss_line``: a regex of the step and its loss)
+    loss_line: str = ""
+
+    @property
+    def folder(self) -> str:
+        return self.sources or self.name
 
 
 ENTRIES: list[Entry] = [
@@ -224,6 +235,30 @@ ENTRIES: list[Entry] = [
         volatile=[r"time \d+\.\d+ms", r"mfu -?\d+\.\d+%"],
         style="GPT trainer: hand-written cosine lr schedule that sets absolute lr values "
               "each iteration, gradient accumulation, GradScaler (disabled), optional compile",
+    ),
+    # the same files with the script's default torch.compile on (inductor on CPU: gcc builds
+    # the kernels; the first process fills inductor's cache, the others reuse it)
+    Entry(
+        name="nanogpt_compile", sources="nanogpt",
+        upstream="karpathy/nanoGPT", commit="3adf61e154c3fe3fca428ad6bc3818b27a3b8291",
+        files={
+            "train.py": "413bd97b40bb400a2a0d01230e2946f056c263ebac1b7281c2367d964a123085",
+            "model.py": "7c01703240dbec5d554527dc666e35b3df8391d0b117fddc07afcf325a21d11c",
+            "configurator.py":
+                "5cc23aca26b4ab3c0d9e5f82740f4781f9444f42718c15abcee70d93c5aabe8f",
+            "LICENSE": "a59ec5cdb1c1e447e5266a014b3e7ded511f8d6e5a08931e931c87490ff821fe",
+        },
+        script="train.py", cwd=".", prepare=prepare_nanogpt,
+        healthy=["--dataset=tiny", "--device=cpu", "--compile=True", "--dtype=float32",
+                 "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32",
+                 "--batch_size=4", "--gradient_accumulation_steps=2", "--max_iters=10",
+                 "--eval_interval=5", "--eval_iters=2", "--warmup_iters=3",
+                 "--lr_decay_iters=10", "--out_dir=out"],
+        failure=["--learning_rate=1e20", "--grad_clip=0.0", "--weight_decay=0.0"],
+        outputs=["out/*"],
+        volatile=[r"time \d+\.\d+ms", r"mfu -?\d+\.\d+%"],
+        loss_line=r"^iter (\d+): loss (\S+),",
+        style="nanoGPT with its default torch.compile (inductor on CPU)",
     ),
     Entry(
         name="word_language_model",
@@ -395,11 +430,11 @@ class RunResult:
 
 def verify_sources(entry: Entry) -> str | None:
     """None when every file is present and unmodified, else why not."""
-    base = SOURCES / entry.name
+    base = SOURCES / entry.folder
     for rel, digest in entry.files.items():
         path = base / rel
         if not path.is_file():
-            return f"missing sources/{entry.name}/{rel}"
+            return f"missing sources/{entry.folder}/{rel}"
         if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
             return f"{rel} differs from {entry.upstream}@{entry.commit[:10]}"
     return None
@@ -408,7 +443,7 @@ def verify_sources(entry: Entry) -> str | None:
 def materialise(entry: Entry, work: Path) -> None:
     if work.exists():
         shutil.rmtree(work)
-    shutil.copytree(SOURCES / entry.name, work)
+    shutil.copytree(SOURCES / entry.folder, work)
     entry.prepare(work)
 
 
@@ -679,6 +714,26 @@ def check_entry(entry: Entry, modes: tuple[str, ...], root: Path, timeout: float
     return checks
 
 
+def _consistent_with_losses(entry: Entry, plain: RunResult, ff: dict) -> str | None:
+    """Whether nanhunt's first failure agrees with the plain run's printed losses: a forward
+    failure at the first step whose loss printed non-finite, a backward, optimizer or later
+    failure at the step before it (that step's loss printed finite)."""
+    losses = {}
+    for line in plain.stdout.splitlines():
+        m = re.match(entry.loss_line, line.strip())
+        if m:
+            losses.setdefault(int(m.group(1)), float(m.group(2)))
+    bad = min((k for k, v in losses.items() if not math.isfinite(v)), default=None)
+    if bad is None:
+        return "the plain run printed no non-finite loss"
+    want = (bad, ("forward",)) if ff.get("phase") == "forward" else (
+        bad - 1, ("backward", "optimizer", "communication", "loss_scaling"))
+    if ff.get("step") != want[0] or ff.get("phase") not in want[1]:
+        return (f"step {ff.get('step')} {ff.get('phase')}: the plain run printed its first "
+                f"non-finite loss at step {bad}")
+    return None
+
+
 def _judge(entry: Entry, variant: str, mode: str, plain: RunResult, res: RunResult,
            counts: dict | None, located: dict | None, add: Callable) -> list[Check]:
     rep = res.report or {}
@@ -736,6 +791,8 @@ def _judge(entry: Entry, variant: str, mode: str, plain: RunResult, res: RunResu
             add(variant, mode, "failure located", "no reference event")
         elif not ff:
             add(variant, mode, "failure located", "no first_failure in the report")
+        elif entry.loss_line:
+            add(variant, mode, "failure located", _consistent_with_losses(entry, plain, ff))
         elif mode == "sample" and not ff.get("module") and \
                 not (rep.get("diagnosis") or {}).get("kind"):
             # documented: a failure on a step that was not traced names no cause

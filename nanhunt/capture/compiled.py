@@ -13,12 +13,13 @@ report says which compiled modules were seen only at their boundary.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from torch.nn.modules import module as _M
 
-__all__ = ["OBSERVERS", "compiled_boundary", "observing_hooks_removed"]
+__all__ = ["OBSERVERS", "compiled_boundary", "global_forward_hook", "observing_hooks_removed"]
 
 #: nanhunt's packages whose global module hooks only observe (a --fix's hooks change the
 #: program on purpose and stay)
@@ -61,6 +62,19 @@ def observing_hooks_removed() -> Iterator[None]:
             table.update(added)
             for (flag_table, key), value in flags.items():
                 getattr(_M, flag_table)[key] = value
+
+
+def global_forward_hook(hook: Any) -> Any:
+    """``register_module_forward_hook(hook, with_kwargs=True)``, whose handle, once removed, also
+    takes its with_kwargs flag out: torch's handle leaves it in
+    ``_global_forward_hooks_with_kwargs``, and that flag alone makes every later compiled
+    module call warn into the user's stderr that global hooks exist."""
+    handle = _M.register_module_forward_hook(hook, with_kwargs=True)
+    flags = getattr(_M, "_global_forward_hooks_with_kwargs", None)
+    if isinstance(flags, dict):
+        extra = getattr(handle, "extra_dict_ref", ())
+        handle.extra_dict_ref = (*extra, weakref.ref(flags))
+    return handle
 
 
 def _optimized_module() -> type | None:

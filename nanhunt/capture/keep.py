@@ -27,6 +27,7 @@ from nanhunt.capture._util import (
     _skip,
     _version,
 )
+from nanhunt.capture.compiled import compiled_boundary
 from nanhunt.capture.loss import LossObserver
 from nanhunt.capture.shards import is_sharded
 from nanhunt.capture.state import Part
@@ -146,6 +147,18 @@ class RootWatch(Part):
             _M.register_module_forward_pre_hook(self._on_global_pre),
             _M.register_module_forward_hook(self._on_global_post),
         ]
+        # a compiled module's call runs without these global hooks (torch warns into the
+        # user's stderr while any exist, and Dynamo would trace them): seen at its boundary
+        stack.enter_context(compiled_boundary(self._boundary_pre, self._boundary_post, set(),
+                                              self.s.naming))
+
+    def _boundary_pre(self, module: nn.Module, args: tuple) -> None:
+        if self._global:  # (only while the global hooks are in: the first step)
+            self._on_global_pre(module, args)
+
+    def _boundary_post(self, module: nn.Module, args: tuple, kwargs: Any, output: Any) -> None:
+        if self._global:
+            self._on_global_post(module, args, output)
 
     def _remove(self) -> None:
         self.drop_global()

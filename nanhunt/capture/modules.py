@@ -23,7 +23,7 @@ from nanhunt.capture._util import (
     _version,
     module_caller,
 )
-from nanhunt.capture.compiled import compiled_boundary
+from nanhunt.capture.compiled import compiled_boundary, global_forward_hook
 from nanhunt.capture.state import Part, _Call, _Frame, _Meta
 
 
@@ -52,7 +52,7 @@ class ModuleObserver(Part):
         if on and not self._handles:
             self._handles = [
                 _M.register_module_forward_pre_hook(self._on_pre),
-                _M.register_module_forward_hook(self._on_post, with_kwargs=True),
+                global_forward_hook(self._on_post),
             ]
         elif not on:
             for h in self._handles:

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from nanhunt.capture._util import _in_backward, _skip
+from nanhunt.capture.compiled import global_forward_hook
 from nanhunt.formats import NumberFormat
 from nanhunt.precision._state import ModuleState, rebind
 from nanhunt.precision._tape import autocast_pinned, cast_floating, rng_state, set_rng_state
@@ -237,7 +238,7 @@ class Observer:
         if not self._handles:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(_M.register_module_forward_pre_hook(self._pre))
-                stack.enter_context(_M.register_module_forward_hook(self._post, with_kwargs=True))
+                stack.enter_context(global_forward_hook(self._post))
                 self._stack = stack.pop_all()
             self._handles = [self._stack]
 

@@ -78,3 +78,17 @@ def test_a_nan_only_the_compiled_code_makes_is_reported_as_such(cli):
     assert "compiler-only nan" in ff["detail"].lower()
     assert "emulate_precision_casts" in ff["detail"] and "TORCH_BISECT" in ff["detail"]
     assert report["diagnosis"]["evidence"][0].startswith("cm is compiled")
+
+
+@pytest.mark.parametrize("mode", [("--mode", "sentinel"), ("--sample-every", "2")],
+                         ids=["sentinel", "sampled"])
+def test_the_sentinel_and_sampled_modes_leave_a_compiled_run_as_plain(cli, mode):
+    """torch warns into stderr at every compiled call while any global module hook exists, and
+    a removed with_kwargs hook used to leave its flag behind: these modes printed it."""
+    args = ("--backend", "aot_eager")
+    plain = _python(cli, args).result()
+    run = cli.submit_with_files({}, "diagnose", "--quiet", *mode, SCRIPT, *args,
+                                timeout=TIMEOUT).result()
+    assert plain.code == 0 and run.code == 0, run.stderr
+    assert run.stdout == plain.stdout
+    assert run.stderr == plain.stderr == ""
