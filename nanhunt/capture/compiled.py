@@ -19,7 +19,8 @@ from typing import Any
 
 from torch.nn.modules import module as _M
 
-__all__ = ["OBSERVERS", "compiled_boundary", "global_forward_hook", "observing_hooks_removed"]
+__all__ = ["OBSERVERS", "compiled_boundary", "compiled_run_eagerly", "global_forward_hook",
+           "observing_hooks_removed"]
 
 #: nanhunt's packages whose global module hooks only observe (a --fix's hooks change the
 #: program on purpose and stay)
@@ -111,6 +112,31 @@ def compiled_boundary(pre: Any, post: Any, seen: set[str], naming: Any) -> Itera
     cls.__call__ = __call__
     try:
         yield
+    finally:
+        if own:
+            cls.__call__ = original
+        else:
+            del cls.__call__
+
+
+@contextlib.contextmanager
+def compiled_run_eagerly() -> Iterator[None]:
+    """While entered, a compiled module runs its original module eagerly, as a plain module
+    call with every hook (nanhunt's replays of a recorded step: a re-compile would print
+    Dynamo's logs and torch's global-hooks warning into the user's stderr, and a replay is the
+    reference arithmetic, not the compiled run's)."""
+    cls = _optimized_module()
+    if cls is None:
+        yield
+        return
+    import torch
+
+    own = "__call__" in cls.__dict__
+    original = cls.__call__
+    cls.__call__ = _M.Module.__call__
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            yield
     finally:
         if own:
             cls.__call__ = original

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from nanhunt.analyse import rank
+from nanhunt.capture.compiled import compiled_run_eagerly
 from nanhunt.capture.naming import Naming
 from nanhunt.formats import get_format
 from nanhunt.precision._observe import Measured, Observer, Plan, energies, is_gemm, round_to
@@ -253,7 +254,7 @@ class Auditor:
             pinned = contextlib.nullcontext()
         self.observer.begin("float32" if plan is None else "target", plan, analyse=analyse)
         try:
-            with pinned:
+            with pinned, compiled_run_eagerly():
                 env = self.tape.replay(entries,
                                        params=lambda e: self._params(plan, e.fn, e.state),
                                        autocast=autocast, inputs=inputs)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 import typing
 from collections import Counter
 from collections.abc import Callable
@@ -43,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from nanhunt.capture._util import _in_backward, _skip
-from nanhunt.capture.compiled import global_forward_hook
+from nanhunt.capture.compiled import compiled_boundary, global_forward_hook
 from nanhunt.formats import NumberFormat
 from nanhunt.precision._state import ModuleState, rebind
 from nanhunt.precision._tape import autocast_pinned, cast_floating, rng_state, set_rng_state
@@ -239,6 +240,12 @@ class Observer:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(_M.register_module_forward_pre_hook(self._pre))
                 stack.enter_context(global_forward_hook(self._post))
+                # the user's compiled module runs without these hooks inside, recorded at its
+                # boundary (the replays run it eagerly: compiled_run_eagerly)
+                stack.enter_context(compiled_boundary(
+                    lambda m, a: self._pre(m, a),
+                    lambda m, a, k, o: self._post(m, a, k, o), set(),
+                    types.SimpleNamespace(names={})))
                 self._stack = stack.pop_all()
             self._handles = [self._stack]
 

@@ -8,6 +8,7 @@ The other two use cheap backends (the eager replay does not depend on the backen
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -80,15 +81,21 @@ def test_a_nan_only_the_compiled_code_makes_is_reported_as_such(cli):
     assert report["diagnosis"]["evidence"][0].startswith("cm is compiled")
 
 
-@pytest.mark.parametrize("mode", [("--mode", "sentinel"), ("--sample-every", "2")],
-                         ids=["sentinel", "sampled"])
-def test_the_sentinel_and_sampled_modes_leave_a_compiled_run_as_plain(cli, mode):
+@pytest.mark.parametrize("mode", [("diagnose", "--mode", "sentinel"),
+                                  ("diagnose", "--sample-every", "2"), ("audit",)],
+                         ids=["sentinel", "sampled", "audit"])
+def test_the_sentinel_sampled_and_audit_modes_leave_a_compiled_run_as_plain(cli, mode):
     """torch warns into stderr at every compiled call while any global module hook exists, and
-    a removed with_kwargs hook used to leave its flag behind: these modes printed it."""
+    a removed with_kwargs hook used to leave its flag behind: these modes printed it (the
+    audit's replays also re-compiled the module, with Dynamo's logs)."""
     args = ("--backend", "aot_eager")
     plain = _python(cli, args).result()
-    run = cli.submit_with_files({}, "diagnose", "--quiet", *mode, SCRIPT, *args,
+    run = cli.submit_with_files({}, *mode[:1], "--quiet", *mode[1:], SCRIPT, *args,
                                 timeout=TIMEOUT).result()
     assert plain.code == 0 and run.code == 0, run.stderr
     assert run.stdout == plain.stdout
     assert run.stderr == plain.stderr == ""
+    if mode == ("audit",):  # the layers inside the compiled module, by an eager replay
+        report = json.loads((run.cwd / "nanhunt-audit" / "report.json").read_text())
+        layers = {r["module"] for r in report["precision"]["layers"]}
+        assert {"0", "2"} <= layers, layers
