@@ -87,6 +87,22 @@ def _optimized_module() -> type | None:
 
 
 @contextlib.contextmanager
+def _call_replaced(cls: type, make: Any) -> Iterator[None]:
+    """``cls.__call__`` replaced by ``make(original)`` while entered, then put back as it was
+    (a class attribute of its own, or inherited)."""
+    own = "__call__" in cls.__dict__
+    original = cls.__call__
+    cls.__call__ = make(original)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own:
+            cls.__call__ = original  # type: ignore[method-assign]
+        else:
+            del cls.__call__
+
+
+@contextlib.contextmanager
 def compiled_boundary(pre: Any, post: Any, seen: set[str], naming: Any) -> Iterator[None]:
     """While installed, a call of a compiled module runs with nanhunt's observing hooks out of
     the tables; ``pre(module, args)`` and ``post(module, args, kwargs, output)`` record it from
@@ -95,28 +111,23 @@ def compiled_boundary(pre: Any, post: Any, seen: set[str], naming: Any) -> Itera
     if cls is None:
         yield
         return
-    own = "__call__" in cls.__dict__
-    original = cls.__call__
 
-    def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:
-        pre(module, args)
-        with observing_hooks_removed():
-            output = original(module, *args, **kwargs)
-        post(module, args, kwargs, output)
-        with contextlib.suppress(Exception):
-            seen.add(naming.names.get(module) or naming.names.get(module._orig_mod)
-                     or type(module._orig_mod).__name__)
-        return output
+    def make(original: Any) -> Any:
+        def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:
+            pre(module, args)
+            with observing_hooks_removed():
+                output = original(module, *args, **kwargs)
+            post(module, args, kwargs, output)
+            with contextlib.suppress(Exception):
+                seen.add(naming.names.get(module) or naming.names.get(module._orig_mod)
+                         or type(module._orig_mod).__name__)
+            return output
 
-    __call__.__wrapped__ = original  # type: ignore[attr-defined]
-    cls.__call__ = __call__
-    try:
+        __call__.__wrapped__ = original  # type: ignore[attr-defined]
+        return __call__
+
+    with _call_replaced(cls, make):
         yield
-    finally:
-        if own:
-            cls.__call__ = original
-        else:
-            del cls.__call__
 
 
 @contextlib.contextmanager
@@ -131,14 +142,6 @@ def compiled_run_eagerly() -> Iterator[None]:
         return
     import torch
 
-    own = "__call__" in cls.__dict__
-    original = cls.__call__
-    cls.__call__ = _M.Module.__call__
-    try:
-        with torch.compiler.set_stance("force_eager"):
-            yield
-    finally:
-        if own:
-            cls.__call__ = original
-        else:
-            del cls.__call__
+    with _call_replaced(cls, lambda original: _M.Module.__call__), \
+            torch.compiler.set_stance("force_eager"):
+        yield
