@@ -343,8 +343,8 @@ class Experiment:
     """One re-run of the experiment ladder: the script run again with one change (or none, the
     control), to a horizon, and what it showed (DESIGN.md §9; docs/report-schema.md)."""
 
-    # control | fp32 | bf16 | fp32-master | no-scaler | init-scale | lr-0.1 | lr-0.01 | clip |
-    # skip-batch | region (one step of the float32 bisection) | fix
+    # control | fp32 | bf16 | fp32-master | no-scaler | init-scale | growth-interval | lr-0.1 |
+    # lr-0.01 | clip | skip-batch | region (one step of the float32 bisection) | fix
     rung: str
     fixes: list[str] = field(default_factory=list)  # the --fix specs installed ([]: control)
     purpose: str = ""  # the question it answers, in words

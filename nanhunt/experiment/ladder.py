@@ -42,9 +42,10 @@ from nanhunt.trace import Experiment, Experiments, Finding, StepRecord, Trace
 
 __all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "contradiction", "drop",
            "failure_step", "first_rungs", "half_optimizer", "horizon", "learning", "lines_runs",
-           "loss_gap", "loss_span", "measured_clip", "measured_init_scale", "next_rungs",
-           "outcome", "same_problem", "silent_candidate", "silent_verdict", "source_ranges",
-           "source_rungs", "suspect_rungs", "uses_low_precision", "warmup_verdict"]
+           "loss_gap", "loss_span", "measured_clip", "measured_growth_interval",
+           "measured_init_scale", "next_rungs", "outcome", "same_problem", "silent_candidate",
+           "silent_verdict", "source_ranges", "source_rungs", "suspect_rungs",
+           "uses_low_precision", "warmup_verdict"]
 
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
@@ -181,6 +182,27 @@ def measured_init_scale(trace: Trace) -> float | None:
     return 2.0 ** k
 
 
+def measured_growth_interval(trace: Trace, scale: float | None, step: int | None) -> int | None:
+    """GradScaler's growth_interval that lets it climb by itself from the run's first scale to
+    ``scale`` (:func:`measured_init_scale`, from the gradients' exponents) by half the failure
+    step: the failure step over twice the doublings it needs. None where the measured scale is
+    not above the run's (the scale was not too low), the failure comes too early for any
+    interval (fewer than two steps a doubling), or the script's own interval is that short
+    already."""
+    scales = [s.scale for s in sorted(trace.steps, key=lambda s: s.index)
+              if s.scale is not None and math.isfinite(s.scale) and s.scale > 0]
+    if scale is None or step is None or not scales or scale <= scales[0]:
+        return None
+    k = math.ceil(math.log2(scale / scales[0]))
+    if step < 2 * k:
+        return None
+    n = max(1, step // (2 * k))
+    current = (trace.run.scaler_settings or {}).get("growth_interval")
+    if current is not None and n >= current:
+        return None
+    return n
+
+
 def half_optimizer(trace: Trace) -> bool:
     """Whether an optimizer stepped 16-bit parameters (its update and state in that format)."""
     return any(d in ("float16", "bfloat16") for o in trace.optimizers for d in o.param_dtypes)
@@ -260,6 +282,14 @@ def next_rungs(trace: Trace, ex: Experiments) -> list[Rung]:
                 rungs.append(Rung("init-scale", (f"init-scale={number(scale)}",),
                                   "does GradScaler train from the scale the gradients' "
                                   f"exponents call for (2^{k:g})?"))
+                # the same scale reached by GradScaler itself, growing sooner: the growth
+                # variant (where the run's scale started below it)
+                every = measured_growth_interval(trace, scale, step)
+                if every is not None:
+                    rungs.append(Rung("growth-interval", (f"growth-interval={every}",),
+                                      f"does GradScaler train when it grows every {every} "
+                                      f"steps, reaching 2^{k:g} by itself before step "
+                                      f"{step}?"))
         return rungs
     if trace.optimizers or any(s.lr is not None for s in trace.steps):
         rungs += [Rung("lr-0.1", ("lr-factor=0.1",), "does a 10x lower learning rate train?"),
@@ -560,6 +590,7 @@ def classify(ex: Experiments, trace: Trace) -> None:
         return
     fp32, bf16 = _run(ex, "fp32"), _run(ex, "bf16")
     noscale, scale = _run(ex, "no-scaler"), _run(ex, "init-scale")
+    growth = _run(ex, "growth-interval")
     master = _run(ex, "fp32-master")
     said: list[str] = []
     verdict = "undetermined"
@@ -571,6 +602,10 @@ def classify(ex: Experiments, trace: Trace) -> None:
             verdict = "loss-scaling"
             mid = (f"GradScaler from init_scale {_value(scale)} (the gradients' exponents) "
                    "does too")
+        elif cured(growth, ex):
+            verdict = "loss-scaling"
+            mid = (f"GradScaler growing every {_value(growth)} steps (to the scale the "
+                   "gradients' exponents call for) does too")
         elif cured(bf16, ex):
             verdict, mid = "precision-range", "bfloat16 does too"
         elif bf16 is not None and (bf16.outcome in _FAILED or unlearned(bf16, ex)):

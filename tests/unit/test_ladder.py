@@ -14,6 +14,7 @@ from nanhunt.experiment.ladder import (
     control_facts,
     horizon,
     measured_clip,
+    measured_growth_interval,
     measured_init_scale,
     next_rungs,
     outcome,
@@ -731,3 +732,34 @@ def test_the_lr_rung_chosen_for_a_divergence_learned_and_made_no_failure_of_its_
     unknown = dataclasses.replace(good, losses=[1.0, None, 0.9, 0.8, 0.7])
     assert [_learned_cleanly(e) for e in (rising, own, good, unknown)] == \
         [False, False, True, False]
+
+
+def test_the_growth_rung_lets_gradscaler_climb_to_the_measured_scale_by_half_the_failure():
+    """A scale that started 8 binades too low (2^4 where the gradients' exponents call for
+    2^12): growing every 40 // (2 x 8) = 2 steps, GradScaler gets there by step 16 of 40."""
+    t = _original(40, kind="underflow")
+    for s in t.steps:
+        s.scale, s.skipped, s.loss = 16.0, False, 1.0  # no skipped step: the scale was low
+    t.run.scaler_settings = {"init_scale": 16.0, "growth_interval": 2000}
+    t.grad_hist = {"float16": {1: 10, -4: 100}}  # |g| < 4: 2^(15 - 1 - 2)
+    assert measured_init_scale(t) == 2.0 ** 12
+    assert measured_growth_interval(t, 2.0 ** 12, 40) == 2
+    t.optimizers = [OptimizerInfo(type="SGD")]
+    precision = _ladder(t, _rung("fp32", "trained"))
+    precision.failure_step = 40
+    rungs = {r.name: r.fixes for r in next_rungs(t, precision)}
+    assert rungs["init-scale"] == ("init-scale=4096",)
+    assert rungs["growth-interval"] == ("growth-interval=2",)
+    # too early for any interval (8 doublings need 16 steps), a script that grows that often
+    # already, and a scale that was too high (lowering it is init_scale's job): no rung
+    assert measured_growth_interval(t, 2.0 ** 12, 15) is None
+    t.run.scaler_settings = {"growth_interval": 2}
+    assert measured_growth_interval(t, 2.0 ** 12, 40) is None
+    assert measured_growth_interval(t, 8.0, 40) is None
+    # its re-run training makes it loss scaling
+    t.run.scaler_settings = {"growth_interval": 2000}
+    ex = _ladder(t, _rung("fp32", "trained"), _rung("bf16", "trained", "bf16"),
+                 _rung("init-scale", "recurred", "init-scale=4096", step=40),
+                 _rung("growth-interval", "trained", "growth-interval=2"))
+    classify(ex, t)
+    assert ex.verdict == "loss-scaling" and "growing every 2 steps" in ex.verdict_text
