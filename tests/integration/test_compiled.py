@@ -32,10 +32,22 @@ def _python(cli, args):
     return cli.submit_with_files({}, SCRIPT, *args, cmd=(sys.executable,), timeout=TIMEOUT)
 
 
+QUIET_MODES = [("diagnose", "--mode", "sentinel"), ("diagnose", "--sample-every", "2"),
+               ("audit",)]
+
+
+def _in_mode(cli, mode):
+    return cli.submit_with_files({}, *mode[:1], "--quiet", *mode[1:], SCRIPT, "--backend",
+                                 "aot_eager", timeout=TIMEOUT)
+
+
 def prefetch(cli) -> None:
     # (not the inductor pair: only the slow test reads it, and gcc's compile is most of the cost)
     _nanhunt(cli, PLANTED)
     _nanhunt(cli, BROKEN)
+    _python(cli, ("--backend", "aot_eager"))
+    for mode in QUIET_MODES:
+        _in_mode(cli, mode)
 
 
 @pytest.mark.slow
@@ -81,17 +93,13 @@ def test_a_nan_only_the_compiled_code_makes_is_reported_as_such(cli):
     assert report["diagnosis"]["evidence"][0].startswith("cm is compiled")
 
 
-@pytest.mark.parametrize("mode", [("diagnose", "--mode", "sentinel"),
-                                  ("diagnose", "--sample-every", "2"), ("audit",)],
-                         ids=["sentinel", "sampled", "audit"])
+@pytest.mark.parametrize("mode", QUIET_MODES, ids=["sentinel", "sampled", "audit"])
 def test_the_sentinel_sampled_and_audit_modes_leave_a_compiled_run_as_plain(cli, mode):
     """torch warns into stderr at every compiled call while any global module hook exists, and
     a removed with_kwargs hook used to leave its flag behind: these modes printed it (the
     audit's replays also re-compiled the module, with Dynamo's logs)."""
-    args = ("--backend", "aot_eager")
-    plain = _python(cli, args).result()
-    run = cli.submit_with_files({}, *mode[:1], "--quiet", *mode[1:], SCRIPT, *args,
-                                timeout=TIMEOUT).result()
+    plain = _python(cli, ("--backend", "aot_eager")).result()
+    run = _in_mode(cli, mode).result()
     assert plain.code == 0 and run.code == 0, run.stderr
     assert run.stdout == plain.stdout
     assert run.stderr == plain.stderr == ""
