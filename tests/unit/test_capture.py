@@ -756,3 +756,26 @@ def test_zero_grad_between_unscale_and_step_is_loop_misuse(arch, where):
         assert call.source_line == "opt.zero_grad()" and call.steps == 3
     else:
         assert moved and codes == []
+
+
+def test_a_removed_global_forward_hook_takes_its_with_kwargs_flag():
+    """torch's handle of ``register_module_forward_hook(..., with_kwargs=True)`` leaves its flag
+    in ``_global_forward_hooks_with_kwargs`` when removed, and that flag alone makes every later
+    compiled module call warn into the user's stderr (sampled mode removes its hooks between
+    sampled steps). nanhunt's registration takes the flag out with the hook."""
+    from torch.nn.modules import module as _M
+
+    from nanhunt.capture.compiled import global_forward_hook
+
+    def hook(module, args, kwargs, output):
+        return None
+
+    plain = _M.register_module_forward_hook(hook, with_kwargs=True)
+    plain.remove()
+    assert plain.id in _M._global_forward_hooks_with_kwargs  # torch's own handle: left behind
+    _M._global_forward_hooks_with_kwargs.pop(plain.id)
+    ours = global_forward_hook(hook)
+    assert ours.id in _M._global_forward_hooks_with_kwargs
+    ours.remove()
+    assert ours.id not in _M._global_forward_hooks_with_kwargs
+    assert not _M._has_any_global_hook()
