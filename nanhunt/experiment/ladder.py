@@ -41,11 +41,11 @@ from nanhunt.formats import get_format
 from nanhunt.trace import Experiment, Experiments, Finding, StepRecord, Trace
 
 __all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "contradiction", "drop",
-           "failure_step", "first_rungs", "half_optimizer", "horizon", "learning", "lines_runs",
-           "loss_gap", "loss_span", "measured_clip", "measured_growth_interval",
-           "measured_init_scale", "next_rungs", "outcome", "same_problem", "silent_candidate",
-           "silent_verdict", "source_ranges", "source_rungs", "suspect_rungs",
-           "uses_low_precision", "warmup_verdict"]
+           "excuse_cycles", "failure_step", "first_rungs", "half_optimizer", "horizon",
+           "learning", "lines_runs", "loss_gap", "loss_span", "measured_clip",
+           "measured_growth_interval", "measured_init_scale", "next_rungs", "outcome",
+           "same_problem", "silent_candidate", "silent_verdict", "source_ranges", "source_rungs",
+           "suspect_rungs", "uses_low_precision", "warmup_verdict"]
 
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
@@ -841,7 +841,7 @@ def _scaler_cycles(e: Experiment, trace: Trace) -> bool:
             len(e.skipped) <= len(original) and len(e.skipped) < ran / 2)
 
 
-def _excuse_cycles(e: Experiment | None, trace: Trace) -> None:
+def excuse_cycles(e: Experiment | None, trace: Trace) -> None:
     """A re-run whose skips are the original's growth-and-backoff cycle trained, as the original
     did: say so in its outcome."""
     if e is not None and _scaler_cycles(e, trace):
@@ -875,7 +875,7 @@ def silent_verdict(ex: Experiments, trace: Trace) -> Finding | None:
             "did not run"
         return None
     for e in ex.runs:  # the original's scaler cycles, skips and all: trained as it did
-        _excuse_cycles(e, trace)
+        excuse_cycles(e, trace)
     ex.control_reproduced = control.outcome == "trained"
     if control.outcome == "diverged":
         # the script, re-run unchanged, diverged (a loss 10x its first, a skip streak) with

@@ -37,6 +37,7 @@ from nanhunt.experiment.ladder import (
     classify,
     control_facts,
     cured,
+    excuse_cycles,
     failure_step,
     first_rungs,
     horizon,
@@ -628,6 +629,8 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
             if ex.verdict == "not-precision":  # it diverges in float32 too: the optimizer?
                 rungs = [r for r in next_rungs(trace, ex) if r.name.startswith("lr-")]
                 pool.run([rung_task(r) for r in rungs], not_run)
+                for e in ex.runs:  # the original's scaler cycles are not the rungs' failure
+                    excuse_cycles(e, trace)
                 # the smaller change first, a re-run that learned and made no failure of its
                 # own before one that only stayed finite
                 trained = [e for name in ("lr-0.1", "lr-0.01") for e in ex.runs
