@@ -44,6 +44,7 @@ from nanhunt.experiment.ladder import (
     learning,
     lines_runs,
     loss_gap,
+    loss_span,
     next_rungs,
     outcome,
     same_problem,
@@ -165,7 +166,7 @@ def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code:
     other = (f" (its own diagnosis, not the original problem: "
              f"{rerun.diagnosis.kind.replace('_', ' ')})" if rerun.problem and rerun.diagnosis
              else "")
-    t.reason = (f"{t.steps} steps, loss {_loss_span(t.losses)}, all finite; "
+    t.reason = (f"{t.steps} steps, loss {loss_span(t.losses)}, all finite; "
                 + (f"{len(t.skipped)} skipped step{'s' if len(t.skipped) != 1 else ''} "
                    f"({'GradScaler calibration' if calib else 'isolated'})"
                    if t.skipped else "no skipped step")
@@ -180,13 +181,6 @@ def _longest_run(indices: list[int]) -> int:
         run = run + 1 if prev is not None and i == prev + 1 else 1
         best, prev = max(best, run), i
     return best
-
-
-def _loss_span(losses: list[float | None]) -> str:
-    vals = [v for v in losses if v is not None]
-    if not vals:
-        return "not recorded"
-    return f"{vals[0]:.4g} -> {vals[-1]:.4g}"
 
 
 # ----------------------------------------------------------------------------- running
@@ -482,11 +476,6 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         return
     if silent:
         # no problem found: compare the whole run with float32 everywhere (a silent failure)
-        compared = [{"fp32": "float32 everywhere", "warmup": "a learning-rate warm-up"}[r.name]
-                    for r in first_rungs(trace) + suspect_rungs(trace) if r.name != "control"]
-        v.note = ("no problem was found: the run was compared with " + " and ".join(compared)
-                  if compared else "no rule explained the loss's blow-up: the script was re-run "
-                  "unchanged to check it")
         steps = len(trace.steps) if not cfg.max_steps else min(len(trace.steps),
                                                                   cfg.max_steps)
         v.target_steps = ex.horizon = steps
@@ -498,6 +487,12 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
     v.budget_seconds = ex.budget_seconds = round(budget, 2)
     candidates = verify_order(trace.recommendations)
     first = first_rungs(trace) + (suspect_rungs(trace, steps) if silent else [])
+    if silent:
+        compared = [{"fp32": "float32 everywhere", "warmup": "a learning-rate warm-up"}[r.name]
+                    for r in first if r.name != "control"]
+        v.note = ("no problem was found: the run was compared with " + " and ".join(compared)
+                  if compared else "no rule explained the loss's blow-up: the script was re-run "
+                  "unchanged to check it")
     progress = _Progress(cfg.quiet)
     progress.say(
         f"nanhunt: diagnosing by experiment: re-running the script (a control, the experiment "
@@ -864,7 +859,7 @@ def _rung_recommendation(trace: Trace, ex: Experiments, e: Experiment, type_: st
                     report=e.report,
                     reason=(f"{why}; the re-run with --fix {' --fix '.join(e.fixes)} ran "
                             f"{e.steps} of {e.target_steps} steps, its loss "
-                            f"{_loss_span(e.losses)}"))
+                            f"{loss_span(e.losses)}"))
     result.conditions = {"control_reproduced": bool(ex.control_reproduced),
                          "past_horizon": e.steps >= e.target_steps,
                          "finite": e.outcome == "trained", "no_skip_streak":

@@ -78,8 +78,12 @@ def _first_to_cross(series: dict[str, dict[int, float]], limit: float = 100.0) -
 
 
 def _losses(res) -> list[float]:
-    return [float(line.split()[-1]) for line in res.stdout.splitlines()
-            if line.startswith("step ")]
+    return _printed(res.stdout)
+
+
+def _printed(stdout: str) -> list[float]:
+    """The losses a curves script prints, ``step N loss X`` a line."""
+    return [float(line.split()[-1]) for line in stdout.splitlines() if line.startswith("step ")]
 
 
 def test_attention_logit_growth_names_the_attention_the_probe_names(runs):
@@ -211,8 +215,7 @@ def test_a_post_ln_gpt_that_learns_less_without_warmup_is_shown_by_its_warmup_ex
     # the script's own warm-up flag (its code, not nanhunt's fix), run by hand, learns more
     hand = cli.python(SCRIPTS / POST_LN_GPT[0], *POST_LN_GPT[1:], "--warmup", str(k)).result()
     assert hand.returncode == 0, hand.stderr
-    warmed = [float(line.split()[-1]) for line in hand.stdout.splitlines()
-              if line.startswith("step ")]
+    warmed = _printed(hand.stdout)
     assert len(warmed) == len(original) == 20
     assert _tail_mean(warmed) < _tail_mean(original) - 0.5, (warmed, original)
 
@@ -241,7 +244,6 @@ def test_a_loss_that_swings_far_above_its_start_is_a_divergence_and_a_lower_lr_t
     # first loss) and learns (its last losses below its first)
     hand = cli.python(SCRIPTS / CHAOS[0], *CHAOS[1:-1], str(1 * factor)).result()
     assert hand.returncode == 0, hand.stderr
-    fixed = [float(line.split()[-1]) for line in hand.stdout.splitlines()
-             if line.startswith("step ")]
+    fixed = _printed(hand.stdout)
     assert len(fixed) == 30 and max(fixed) < 10 * fixed[0]
     assert _tail_mean(fixed) < fixed[0]
