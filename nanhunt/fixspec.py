@@ -30,6 +30,9 @@ A spec names one change a user could make to their training script::
     bf16                        bfloat16 where the script uses float16 (autocast, casts)
     no-scaler                   GradScaler disabled (enabled=False)
     skip-batch=N                at step N, the model and loss modules get step N-1's inputs
+    skip-samples=N:I[,J...]     at step N, rows I, J, ... of the model and loss modules'
+                                batch inputs are replaced by the batch's first other row
+                                (the batch keeps its size; the snippet drops the rows)
     fp32-lines:FILE:A[-B]       the torch ops written on lines A..B of FILE (a path, or its
                                 end: ``train.py``) in float32 (autocast off, 16-bit inputs cast
                                 up), also inside functions those lines call, not inside the
@@ -68,6 +71,7 @@ __all__ = [
     "Snippet",
     "SnippetContext",
     "parse_fix",
+    "sample_rows",
     "snippet",
 ]
 
@@ -112,6 +116,8 @@ class FixSpec:
             return f"comm-hook:{self.op}"
         if self.kind == "fp32-lines":
             return f"fp32-lines:{self.patterns[0]}:{self.op}"
+        if self.kind == "skip-samples":
+            return f"skip-samples={number(self.value)}:{self.op}"
         return f"{self.kind}={number(self.value)}"
 
 
@@ -151,6 +157,8 @@ def parse_fix(text: str) -> FixSpec:
             raise NanhuntError(f"--fix {spec}: lines run from 1, FIRST <= LAST")
         return FixSpec("fp32-lines", (path.strip(),),
                        op=f"{first}-{last}" if last != first else str(first))
+    if spec.startswith("skip-samples="):
+        return _skip_samples(spec)
     if kind == "comm-hook":
         if rest not in COMM_HOOK_CHOICES:
             raise NanhuntError(f"--fix {spec}: expected comm-hook:bf16 or comm-hook:none")
@@ -187,7 +195,29 @@ def parse_fix(text: str) -> FixSpec:
         f"--fix {spec}: unknown fix (fp32:PATTERN, clamp:PATTERN=V, floor:PATTERN:OP=V, "
         "eps:PATTERN=V, zloss:PATTERN=C, cap:PATTERN=V, opt-eps=V, init-scale=V, "
         "growth-interval=N, clip=V, lr-factor=F, warmup=N, fp32-master, fp32-all, bf16, "
-        "no-scaler, skip-batch=N, comm-hook:bf16|none, fp32-lines:FILE:A-B)")
+        "no-scaler, skip-batch=N, skip-samples=N:I,J, comm-hook:bf16|none, "
+        "fp32-lines:FILE:A-B)")
+
+
+#: at most this many rows in one skip-samples spec (the report lists at most 100 per input)
+MAX_SAMPLES = 100
+
+
+def _skip_samples(spec: str) -> FixSpec:
+    """``skip-samples=N:I[,J...]``: the step, then the batch rows, ascending and distinct."""
+    m = re.fullmatch(r"skip-samples=(\d+):(\d+(?:,\d+)*)", spec.replace(" ", ""))
+    if m is None:
+        raise NanhuntError(f"--fix {spec}: expected skip-samples=STEP:ROW[,ROW...] (whole "
+                           "numbers: the step, then the batch positions)")
+    rows = sorted({int(r) for r in m.group(2).split(",")})
+    if len(rows) > MAX_SAMPLES:
+        raise NanhuntError(f"--fix {spec}: at most {MAX_SAMPLES} rows")
+    return FixSpec("skip-samples", (), float(m.group(1)), ",".join(map(str, rows)))
+
+
+def sample_rows(spec: FixSpec) -> list[int]:
+    """The batch rows of a ``skip-samples`` spec."""
+    return [int(r) for r in (spec.op or "").split(",") if r]
 
 
 # ----------------------------------------------------------------------------- snippets
@@ -230,6 +260,17 @@ def _root(pattern: str, ctx: SnippetContext) -> tuple[str, str]:
     if head in ctx.refs:
         return ctx.refs[head], tail
     return "model", pattern
+
+
+NONFINITE_ROWS_HELPER = '''\
+import torch
+
+
+def nonfinite_rows(batch):
+    """The rows (samples) of a batch holding NaN or Inf."""
+    bad = ~torch.isfinite(batch.reshape(batch.shape[0], -1)).all(dim=1)
+    return bad.nonzero().flatten().tolist()
+'''
 
 
 FP32_HELPER = '''\
@@ -503,6 +544,17 @@ def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
                        "in their own dtype")
     if spec.kind == "skip-batch":
         return Snippet(f"if step == {v}:\n    continue  # skip this batch (or clean it)")
+    if spec.kind == "skip-samples":
+        rows = sample_rows(spec)
+        which = (f"row {rows[0]}" if len(rows) == 1 else
+                 "rows " + ", ".join(map(str, rows)))
+        return Snippet("\n".join([
+            f"# step {v}: batch {which} carried NaN/Inf. In the training loop, before the",
+            "# model, drop such rows from every tensor of the batch:",
+            "bad = nonfinite_rows(inputs)",
+            "if bad:",
+            "    keep = [i for i in range(len(inputs)) if i not in bad]",
+            "    inputs, targets = inputs[keep], targets[keep]"]), NONFINITE_ROWS_HELPER)
     if spec.kind == "fp32-master":
         return Snippet("masters = {}  # once, after the optimizer is made\n"
                        f"step_with_fp32_master({opt}, masters)  # instead of {opt}.step()",

@@ -276,6 +276,7 @@ class Failure:
     rank: int | None = None
     detail: str = ""
     bad_samples: dict[str, list[int]] = field(default_factory=dict)  # input -> sample indices
+    batch_rows: int | None = None  # how many rows the batch of bad_samples had
     inputs: list[InputRange] = field(default_factory=list)  # the failing call's inputs (replay)
     # False: the value's origin was not observed (the module read weights that were already
     # non-finite, made so by code nanhunt does not watch): no cause may be named from it

@@ -15,7 +15,7 @@ import math
 import re
 
 from nanhunt.analyse.diagnose import is_loss_type, module_pattern
-from nanhunt.fixspec import FixSpec, SnippetContext, number, parse_fix, snippet
+from nanhunt.fixspec import MAX_SAMPLES, FixSpec, SnippetContext, number, parse_fix, snippet
 from nanhunt.formats import get_format
 from nanhunt.trace import Recommendation, Trace
 
@@ -26,12 +26,12 @@ _OPTIMIZER_KINDS = ("opt-eps", "lr-factor", "clip", "fp32-master", "warmup")
 #: types a fix spec installs; the others need a code change
 _INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "lower_lr",
                 "fp32_master_weights", "fp32_lines", "z_loss", "logit_cap", "lr_warmup",
-                "comm_hook", "no_comm_hook")
+                "comm_hook", "no_comm_hook", "fix_data")
 #: which recommendation types re-run verification tries first (most likely to cure first):
 #: a floor removes the invalid op (an eps too, when the module has one), float32 master
 #: weights change only the optimizer's arithmetic (every module still computes in low
 #: precision), a float32 region keeps a module's values, a clamp only bounds a symptom
-_PRIORITY = {"comm_hook": 0, "no_comm_hook": 1,
+_PRIORITY = {"comm_hook": 0, "no_comm_hook": 1, "fix_data": 0,
              "clamp_op": 0, "eps": 1, "fp32_master_weights": 1, "fp32_lines": 1,
              "fp32_module": 2,
              "init_scale": 3, "logit_cap": 3, "z_loss": 3, "lr_warmup": 4,
@@ -102,6 +102,14 @@ def specs_for(rec: Recommendation, trace: Trace) -> list[FixSpec]:
         return [parse_fix("comm-hook:bf16")]
     if rec.type == "no_comm_hook":
         return [parse_fix("comm-hook:none")]
+    if rec.type == "fix_data":
+        # some rows of the batch were non-finite: those rows replaced (the experiment), dropped
+        # (the snippet); a batch bad in every row has no installable fix (the loop skips it)
+        f, v = trace.first_failure, rec.value if isinstance(rec.value, dict) else {}
+        rows = sorted({int(i) for idx in (v.get("samples") or {}).values() for i in idx})
+        if f is not None and v.get("step") is not None and rows and f.batch_rows and \
+                len(rows) < f.batch_rows and len(rows) <= MAX_SAMPLES:
+            return [parse_fix(f"skip-samples={int(v['step'])}:{','.join(map(str, rows))}")]
     return []
 
 

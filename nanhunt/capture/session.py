@@ -489,6 +489,7 @@ class Session:
         failure = copy.deepcopy(self.first_failure)
         if failure is not None and self.failure_extra.get("bad_samples"):
             failure.bad_samples = dict(self.failure_extra["bad_samples"])
+            failure.batch_rows = self.failure_extra.get("batch_rows")
         if failure is not None and self.failure_extra.get("snapshot_error"):
             notes_extra = [f"the culprit was not copied for an op-level replay: "
                            f"{self.failure_extra['snapshot_error']}"]

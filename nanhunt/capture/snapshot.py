@@ -215,6 +215,8 @@ class Snapshots(Part):
             idx = torch.nonzero(bad).flatten().tolist()
             if idx:
                 self.s.failure_extra.setdefault("bad_samples", {})[path] = idx[:100]
+                extra = self.s.failure_extra
+                extra["batch_rows"] = max(extra.get("batch_rows", 0), int(t.shape[0]))
 
 
 def _line_calling(parent: _Call, child: _Call) -> tuple[str, int, str] | None:

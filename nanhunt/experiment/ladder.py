@@ -36,7 +36,7 @@ from pathlib import Path
 from nanhunt.analyse.advise import choose_init_scale, clip_value
 from nanhunt.analyse.curve_advice import warmup_steps
 from nanhunt.analyse.diagnose.curves import no_warmup, post_ln_blocks
-from nanhunt.fixspec import number
+from nanhunt.fixspec import MAX_SAMPLES, number, parse_fix, sample_rows
 from nanhunt.formats import get_format
 from nanhunt.trace import Experiment, Experiments, Finding, StepRecord, Trace
 
@@ -304,7 +304,33 @@ def next_rungs(trace: Trace, ex: Experiments) -> list[Rung]:
         rungs.append(Rung("skip-batch", (f"skip-batch={step}",),
                           f"does it train with step {step}'s batch replaced by step "
                           f"{step - 1}'s?"))
+    sample = samples_rung(trace)
+    if sample is not None:
+        rungs.append(sample)
     return rungs
+
+
+def samples_rung(trace: Trace) -> Rung | None:
+    """Where the failing batch's non-finite values were in some of its samples (rows), not all:
+    does replacing those samples alone remove the failure? (The batch rung replaces all of it.)
+    None without named samples, or where every row was bad."""
+    f = trace.first_failure
+    if f is None or not f.bad_samples or not f.batch_rows:
+        return None
+    rows = sorted({i for idx in f.bad_samples.values() for i in idx})
+    if not rows or len(rows) >= f.batch_rows or len(rows) > MAX_SAMPLES:
+        return None
+    listed = ",".join(map(str, rows))
+    return Rung("skip-samples", (f"skip-samples={f.step}:{listed}",),
+                f"does it train with sample{'s' if len(rows) > 1 else ''} "
+                f"{listed.replace(',', ', ')} of step {f.step}'s batch ({len(rows)} of "
+                f"{f.batch_rows}) replaced by another of the batch?")
+
+
+def _samples_text(e: Experiment) -> str:
+    rows = sample_rows(parse_fix(e.fixes[0])) if e.fixes else []
+    return (f"sample {rows[0]}" if len(rows) == 1 else
+            "samples " + ", ".join(map(str, rows)))
 
 
 def _run(ex: Experiments, rung: str) -> Experiment | None:
@@ -654,7 +680,15 @@ def classify(ex: Experiments, trace: Trace) -> None:
         lrs = [e for e in (_run(ex, "lr-0.1"), _run(ex, "lr-0.01")) if e is not None]
         lr = next((e for e in lrs if cured(e, ex)), None)
         clip, skip = _run(ex, "clip"), _run(ex, "skip-batch")
-        if lr is not None:
+        sample = _run(ex, "skip-samples")
+        if cured(sample, ex):
+            # the narrowest change that removes it: the named samples alone (checked first: a
+            # lower lr that only survives the bad rows is no cure of the data)
+            verdict = "data"
+            step_of = _value(sample).split(":")[0]
+            name = f"a data failure ({_samples_text(sample)} of step {step_of}'s batch)"
+            said.append(f"replacing {_samples_text(sample)} of the failing batch removes it")
+        elif lr is not None:
             verdict = "optimisation"
             said.append(f"a learning rate x{_value(lr)} removes it")
         elif cured(clip, ex):
@@ -673,6 +707,8 @@ def classify(ex: Experiments, trace: Trace) -> None:
                 said.append(f"clipping at {_value(clip)} does not ({_how(clip, ex)})")
             if skip is not None:
                 said.append(f"replacing the failing batch does not ({_how(skip, ex)})")
+            if sample is not None:
+                said.append(f"replacing {_samples_text(sample)} does not ({_how(sample, ex)})")
             if fp32 is None:
                 name = "nothing tried removes it"
     else:

@@ -18,6 +18,11 @@ that a re-run with it says what kind of failure this is (DESIGN.md §9, docs/rul
     at step N, every outermost module call (the model, a loss module) gets the tensors it was
     called with at step N-1 instead of step N's (features, masks, token ids alike): the batch is
     replaced by the previous one; the loop and its labels are the script's.
+``skip-samples=N:I,J``
+    at step N, every outermost module call gets its tensors with rows I, J replaced by the
+    batch's first row not listed (tensors with more rows than the largest listed): the
+    failing samples alone are replaced; the batch keeps its size (a functional loss's targets,
+    not a module call's argument, keep their rows and still match in shape).
 
 Only calls made by the script are changed (not torch's own internals). :func:`install` enters
 the patches on an :class:`contextlib.ExitStack`; closing it restores every patched object.
@@ -38,12 +43,12 @@ from torch.optim import optimizer as _O
 
 from nanhunt import capture
 from nanhunt._patching import patch
-from nanhunt.fixspec import FP32_LINES_HELPER, FixSpec
+from nanhunt.fixspec import FP32_LINES_HELPER, FixSpec, sample_rows
 
 __all__ = ["GLOBAL_KINDS", "FixMismatch", "install"]
 
 #: the kinds this module installs
-GLOBAL_KINDS = ("fp32-all", "bf16", "no-scaler", "skip-batch", "fp32-lines")
+GLOBAL_KINDS = ("fp32-all", "bf16", "no-scaler", "skip-batch", "skip-samples", "fp32-lines")
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _LOW = (torch.float16, torch.bfloat16)
@@ -247,6 +252,40 @@ class _SkipBatch:
         self.depth = max(0, self.depth - 1)
 
 
+class _SkipSamples(_SkipBatch):
+    """Step ``step``'s outermost module calls get their batch rows ``rows`` replaced by the
+    batch's first other row, in every tensor argument with more rows than the largest of them
+    (the features and what goes with them: targets, masks, token ids, lengths)."""
+
+    def __init__(self, step: int, rows: list[int], spec: str,
+                 applied: dict[str, set[str]]) -> None:
+        super().__init__(step, spec, applied)
+        self.rows = rows
+
+    def pre(self, module: nn.Module, args: tuple) -> Any:
+        outermost = self.depth == 0
+        self.depth += 1
+        if not outermost or torch.compiler.is_compiling():
+            return None
+        hunt = capture._ACTIVE
+        if (hunt.step if hunt is not None else self.taken) != self.step:
+            return None
+        out, changed = [], False
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] > self.rows[-1]:
+                good = next((i for i in range(a.shape[0]) if i not in self.rows), None)
+                if good is not None:
+                    a = a.clone()  # the script's tensor is left as it was
+                    with torch.no_grad():
+                        a[self.rows] = a[good].clone()
+                    changed = True
+            out.append(a)
+        if not changed:
+            return None
+        self.applied[self.spec].add(type(module).__name__)
+        return tuple(out)
+
+
 def _float32_lines(spec: FixSpec, applied: dict[str, set[str]]) -> Any:
     """``fp32-lines``: the snippet's own helper (:data:`nanhunt.fixspec.FP32_LINES_HELPER`),
     run here, so the installed fix is the printed code; ``applied`` records that an op on
@@ -282,6 +321,11 @@ def install(specs: list[FixSpec], stack: contextlib.ExitStack,
             _no_scaler(p, str(spec))
         elif spec.kind == "fp32-lines":
             stack.enter_context(_float32_lines(spec, applied))
+        elif spec.kind == "skip-samples":
+            sample = _SkipSamples(int(spec.value or 0), sample_rows(spec), str(spec), applied)
+            stack.enter_context(_M.register_module_forward_pre_hook(sample.pre))
+            stack.enter_context(_M.register_module_forward_hook(sample.post, always_call=True))
+            stack.enter_context(_O.register_optimizer_step_post_hook(sample.optimizer_step))
         elif spec.kind == "skip-batch":
             skip = _SkipBatch(int(spec.value or 0), str(spec), applied)
             stack.enter_context(_M.register_module_forward_pre_hook(skip.pre))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_fixes import run_script
+from test_fixes import paste, run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -37,6 +37,7 @@ def prefetch(cli) -> dict:
         "padded": cli.submit("diagnose", "--quiet", SCRIPTS / "attention_by_hand.py", "--plant",
                              "padded", "--steps", "5"),
         "healthy-plain": cli.python(SCRIPTS / "precision_paths.py", "--steps", "24"),
+        "rows": cli.submit("diagnose", "--quiet", SCRIPTS / "bad_rows_cnn.py", verify=True),
     }
 
 
@@ -284,3 +285,42 @@ def test_a_hand_written_attention_row_padded_throughout_gets_the_mask_advice(run
     args = ["--plant", "padded", "--steps", "5"]
     assert first_nan(run_script(script, args)) == 3
     assert first_nan(run_script(script, [*args, "--fill", "finfo"])) is None
+
+
+def test_bad_samples_are_shown_by_replacing_those_samples_alone(runs, tmp_path):
+    """Two corrupt images in one batch of a CNN (bfloat16, no GradScaler: the NaN reaches every
+    weight): the rung that replaces those two rows alone trains, as the batch rung does, while
+    float32 and a lower lr do not; the data fix is verified by that rung's re-run. Checked
+    against the script: the spec's losses are the script's own with the rows replaced by hand,
+    and the printed snippet, pasted into a copy, trains to the end."""
+    res = runs["rows"].result()
+    assert res.code == 1, res.stderr
+    report = res.report
+    f = report["first_failure"]
+    assert (f["step"], f["phase"], f["batch_rows"]) == (3, "data", 8)
+    assert sorted({i for idx in f["bad_samples"].values() for i in idx}) == [2, 6]
+    ex, rungs = report["experiments"], _runs(report)
+    assert ex["control_reproduced"] is True and ex["verdict"] == "data"
+    assert rungs["skip-samples"]["fixes"] == ["skip-samples=3:2,6"]
+    assert rungs["skip-samples"]["outcome"] == "trained"
+    assert rungs["fp32"]["outcome"] == "recurred" and rungs["lr-0.1"]["outcome"] == "recurred"
+    assert "replacing samples 2, 6 of the failing batch removes it" in ex["verdict_text"]
+    rec = next(r for r in report["recommendations"] if r["type"] == "fix_data")
+    assert rec["fix"] == ["skip-samples=3:2,6"] and rec["verified"] is True
+    assert rec["tries"][-1]["conditions"]["control_reproduced"] is True
+    script = SCRIPTS / "bad_rows_cnn.py"
+    plain = run_script(script)
+    assert first_nan(plain) == 3
+    fixed = run_script(script, fixes=rec["fix"])
+    assert fixed == run_script(script, ["--replace-rows"])
+    assert first_nan(fixed) is None and len(fixed) == 12
+    # the snippet (drop the non-finite rows) in a copy of the script, before the model runs
+    copy = tmp_path / "bad_rows_cnn.py"
+    copy.write_text(paste(script.read_text(), rec["snippet"] + "\noptimizer.zero_grad()",
+                          helper=rec["helper"], replace="optimizer.zero_grad()"))
+    out = subprocess.run([sys.executable, str(copy)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 12 and first_nan(lines) is None
+    assert lines[:3] == plain[:3] and lines[3] != plain[3]

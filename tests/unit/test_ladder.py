@@ -257,6 +257,14 @@ def test_next_rungs_follow_the_float32_outcome():
     ex = _ex(t, control="recurred", fp32="recurred")
     assert [r.name for r in next_rungs(t, ex)] == ["lr-0.1", "lr-0.01", "skip-batch"]
     assert next_rungs(t, ex)[-1].fixes == ("skip-batch=3",)
+    # the failing batch's non-finite samples named: those alone replaced, a rung of its own;
+    # none where every row was bad or the batch's size is unknown (an older report)
+    t.first_failure.bad_samples, t.first_failure.batch_rows = {"input[0]": [6, 2]}, 8
+    assert next_rungs(t, ex)[-1].fixes == ("skip-samples=3:2,6",)
+    t.first_failure.bad_samples = {"input[0]": list(range(8))}
+    assert next_rungs(t, ex)[-1].name == "skip-batch"
+    t.first_failure.bad_samples, t.first_failure.batch_rows = {"input[0]": [1]}, None
+    assert next_rungs(t, ex)[-1].name == "skip-batch"
 
 
 def test_another_finding_in_a_run_that_trained_is_said_not_its_outcome():

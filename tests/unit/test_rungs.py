@@ -61,6 +61,7 @@ class Pool(nn.Module):
         return self.head((torch.softmax(s, dim=-1).unsqueeze(-1) * x).sum(1))
 
 replace = int(sys.argv[1]) if len(sys.argv) > 1 else -1
+row = len(sys.argv) > 2  # the script's own path: row 1 of step `replace` from row 0
 model = Pool()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 batches = []
@@ -71,7 +72,10 @@ for step in range(4):
     if step == 2:
         pad[1] = True  # a set that is all padding: a softmax over -inf only is NaN
     batches.append((x, pad))
-    if step == replace:  # the script's own path: the previous batch, the same labels
+    if step == replace and row:
+        x, pad = x.clone(), pad.clone()
+        x[1], pad[1] = x[0].clone(), pad[0].clone()
+    elif step == replace:  # the script's own path: the previous batch, the same labels
         x, pad = batches[step - 1]
     opt.zero_grad()
     loss = nn.functional.cross_entropy(model(x, pad), y)
@@ -91,6 +95,9 @@ def test_skip_batch_replaces_every_tensor_of_the_batch_a_mask_too(tmp_path):
     assert run([])[2] != run([])[2]  # NaN: the fully padded set
     # the boolean mask is replaced with the features: the step the script takes by hand
     assert run([], fixes=["skip-batch=2"]) == run(["2"])
+    # one sample: its row of the features and of the mask, from the batch's row 0
+    assert run([], fixes=["skip-samples=2:1"]) == run(["2", "row"])
+    assert run(["2", "row"]) != run(["2"])
 
 
 def test_the_patches_are_gone_after_the_run():
@@ -104,7 +111,8 @@ def test_the_patches_are_gone_after_the_run():
     assert torch.ones(1).half().dtype == torch.float16
 
 
-@pytest.mark.parametrize("text", ["fp32-all", "bf16", "no-scaler", "skip-batch=4"])
+@pytest.mark.parametrize("text", ["fp32-all", "bf16", "no-scaler", "skip-batch=4",
+                                  "skip-samples=4:1,7", "skip-samples=0:3"])
 def test_specs_round_trip_and_have_a_snippet(text):
     spec = parse_fix(text)
     assert str(spec) == text
@@ -116,3 +124,18 @@ def test_skip_batch_is_a_whole_step():
 
     with pytest.raises(NanhuntError, match="whole number"):
         parse_fix("skip-batch=1.5")
+
+
+@pytest.mark.parametrize("text", ["skip-samples=3", "skip-samples=3:", "skip-samples=1.5:2",
+                                  "skip-samples=3:a", "skip-samples=-1:2",
+                                  "skip-samples=3:" + ",".join(map(str, range(101)))])
+def test_a_malformed_skip_samples_is_one_line(text):
+    from nanhunt.errors import NanhuntError
+
+    with pytest.raises(NanhuntError, match=r"^--fix skip-samples") as info:
+        parse_fix(text)
+    assert "\n" not in str(info.value)
+
+
+def test_skip_samples_rows_are_sorted_and_distinct():
+    assert str(parse_fix("skip-samples=2: 7,1,7")) == "skip-samples=2:1,7"

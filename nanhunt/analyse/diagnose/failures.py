@@ -53,7 +53,8 @@ def bad_input(trace: Trace, ctx: Context) -> Iterator[Finding]:
     for path, idx in f.bad_samples.items():
         shown = ", ".join(str(i) for i in idx[:10]) + (" ..." if len(idx) > 10 else "")
         evidence.append(
-            f"{path}: {len(idx)} samples with non-finite values, batch positions {shown}"
+            f"{path}: {len(idx)} sample{'s' if len(idx) != 1 else ''} with non-finite values, "
+            f"batch positions {shown}"
         )
     yield _finding(
         "error",
