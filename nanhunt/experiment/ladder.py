@@ -40,12 +40,12 @@ from nanhunt.fixspec import MAX_SAMPLES, number, parse_fix, sample_rows
 from nanhunt.formats import get_format
 from nanhunt.trace import Experiment, Experiments, Finding, StepRecord, Trace
 
-__all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "classify", "contradiction", "drop",
-           "excuse_cycles", "failure_step", "first_rungs", "half_optimizer", "horizon",
-           "learning", "lines_runs", "loss_gap", "loss_span", "measured_clip",
-           "measured_growth_interval", "measured_init_scale", "next_rungs", "outcome",
-           "same_problem", "silent_candidate", "silent_verdict", "source_ranges", "source_rungs",
-           "suspect_rungs", "uses_low_precision", "warmup_verdict"]
+__all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "batch_rungs", "classify", "contradiction",
+           "divergence_batch_rungs", "drop", "excuse_cycles", "failure_step", "first_rungs",
+           "half_optimizer", "horizon", "learning", "lines_runs", "loss_gap", "loss_span",
+           "measured_clip", "measured_growth_interval", "measured_init_scale", "next_rungs",
+           "outcome", "same_problem", "samples_rung", "silent_candidate", "silent_verdict",
+           "source_ranges", "source_rungs", "suspect_rungs", "uses_low_precision", "warmup_verdict"]
 
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
@@ -300,14 +300,51 @@ def next_rungs(trace: Trace, ex: Experiments) -> list[Rung]:
             rungs.append(Rung("clip", (f"clip={number(clip)}",),
                               f"does clipping the gradient norm at {number(clip)} (the low end "
                               "of the norms before the failure) train?"))
-    if step is not None and step >= 1:
-        rungs.append(Rung("skip-batch", (f"skip-batch={step}",),
-                          f"does it train with step {step}'s batch replaced by step "
-                          f"{step - 1}'s?"))
+    rungs += batch_rungs(ex, step)
     sample = samples_rung(trace)
     if sample is not None:
         rungs.append(sample)
     return rungs
+
+
+def batch_rungs(ex: Experiments, step: int | None) -> list[Rung]:
+    """The batch rungs of a failure at ``step``: its batch replaced by the one before; and where
+    the control's loss blew up (BLOWUP x its first) before that step, the batch of the step it
+    blew up at and of the step before (a batch whose gradient wrecked the weights shows in the
+    next step's loss), each likewise: the failure may be where a rule fired, long after the
+    batch that started it."""
+    control = _run(ex, "control")
+    onset = _blowup_at(control) if control is not None else None
+    steps = [step] if step is not None else []
+    if onset is not None and (step is None or onset < step):
+        steps += [onset, onset - 1]
+    return [Rung("skip-batch", (f"skip-batch={s}",),
+                 f"does it train with step {s}'s batch replaced by step {s - 1}'s?"
+                 + (f" (the loss blew up at step {onset})" if s != step else ""))
+            for s in dict.fromkeys(steps) if s >= 1]
+
+
+def divergence_batch_rungs(ex: Experiments) -> list[Rung]:
+    """For a run with no failure found whose control diverged again: the batch rungs of the step
+    it diverged at (:func:`batch_rungs`). None where the control did not diverge."""
+    control = _run(ex, "control")
+    if control is None or control.outcome != "diverged":
+        return []
+    at = _diverged_at(control)
+    return batch_rungs(ex, None) if _blowup_at(control) is not None else [
+        Rung("skip-batch", (f"skip-batch={s}",),
+             f"does it train with step {s}'s batch (the run diverged at step {at}) replaced by "
+             f"step {s - 1}'s?") for s in (at, at - 1) if s >= 1]
+
+
+def _blowup_at(e: Experiment) -> int | None:
+    """The first step at which a re-run's loss was non-finite or above BLOWUP x its first."""
+    first = next((v for v in e.losses if v is not None and math.isfinite(v)), None)
+    for i, v in enumerate(e.losses):
+        if v is not None and (not math.isfinite(v) or (
+                first and abs(v) > BLOWUP * abs(first))):
+            return i
+    return None
 
 
 def samples_rung(trace: Trace) -> Rung | None:
@@ -679,7 +716,9 @@ def classify(ex: Experiments, trace: Trace) -> None:
             said.append(f"float32 everywhere does not remove it ({_how(fp32, ex)})")
         lrs = [e for e in (_run(ex, "lr-0.1"), _run(ex, "lr-0.01")) if e is not None]
         lr = next((e for e in lrs if cured(e, ex)), None)
-        clip, skip = _run(ex, "clip"), _run(ex, "skip-batch")
+        clip = _run(ex, "clip")
+        skips = [e for e in ex.runs if e.rung == "skip-batch" and e.outcome != "not run"]
+        skip = next((e for e in skips if cured(e, ex)), skips[0] if skips else None)
         sample = _run(ex, "skip-samples")
         if cured(sample, ex):
             # the narrowest change that removes it: the named samples alone (checked first: a
@@ -697,7 +736,8 @@ def classify(ex: Experiments, trace: Trace) -> None:
             said.append(f"clipping the gradient norm at {_value(clip)} removes it")
         elif cured(skip, ex):
             verdict = "data"
-            said.append("replacing the failing batch removes it")
+            name = f"a data failure (the batch of step {_value(skip)})"
+            said.append(f"replacing step {_value(skip)}'s batch removes it")
         else:
             verdict = "not-precision"
             if lrs:
@@ -705,8 +745,9 @@ def classify(ex: Experiments, trace: Trace) -> None:
                             + " does not (" + ", ".join(_how(e, ex) for e in lrs) + ")")
             if clip is not None:
                 said.append(f"clipping at {_value(clip)} does not ({_how(clip, ex)})")
-            if skip is not None:
-                said.append(f"replacing the failing batch does not ({_how(skip, ex)})")
+            if skips:
+                said.append("replacing " + " or ".join(f"step {_value(e)}'s batch" for e in skips)
+                            + " does not (" + ", ".join(_how(e, ex) for e in skips) + ")")
             if sample is not None:
                 said.append(f"replacing {_samples_text(sample)} does not ({_how(sample, ex)})")
             if fp32 is None:

@@ -16,13 +16,14 @@ that a re-run with it says what kind of failure this is (DESIGN.md §9, docs/rul
     GradScaler made with ``enabled=False``.
 ``skip-batch=N``
     at step N, every outermost module call (the model, a loss module) gets the tensors it was
-    called with at step N-1 instead of step N's (features, masks, token ids alike): the batch is
-    replaced by the previous one; the loop and its labels are the script's.
+    called with at step N-1 instead of step N's (features, masks, token ids alike), and a
+    functional loss called outside every module (``F.cross_entropy(logits, y)``) gets step N-1's
+    target (by call order in the step): the batch is replaced by the previous one.
 ``skip-samples=N:I,J``
-    at step N, every outermost module call gets its tensors with rows I, J replaced by the
-    batch's first row not listed (tensors with more rows than the largest listed): the
-    failing samples alone are replaced; the batch keeps its size (a functional loss's targets,
-    not a module call's argument, keep their rows and still match in shape).
+    at step N, every outermost module call, and every functional loss called outside a module
+    (its target), gets its tensors with rows I, J replaced by the batch's first row not listed
+    (tensors with more rows than the largest listed): the failing samples alone are replaced;
+    the batch keeps its size.
 
 Only calls made by the script are changed (not torch's own internals). :func:`install` enters
 the patches on an :class:`contextlib.ExitStack`; closing it restores every patched object.
@@ -31,6 +32,7 @@ the patches on an :class:`contextlib.ExitStack`; closing it restores every patch
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from pathlib import Path
@@ -38,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.modules import module as _M
 from torch.optim import optimizer as _O
 
@@ -213,14 +216,29 @@ def _no_scaler(p: _Patches, spec: str) -> None:
     p.patch(cls, "__init__", wrap)
 
 
+#: torch.nn.functional's losses whose second argument (or ``target=``) is the batch's target
+LOSS_FUNCTIONS = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
+                  "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+                  "kl_div", "poisson_nll_loss", "soft_margin_loss", "multilabel_soft_margin_loss",
+                  "multi_margin_loss", "multilabel_margin_loss")
+
+
 class _SkipBatch:
-    """Step ``step``'s outermost module calls get step ``step - 1``'s tensors."""
+    """Step ``step``'s outermost module calls get step ``step - 1``'s tensors, and the targets
+    of functional losses called outside every module likewise (by call order in the step)."""
 
     def __init__(self, step: int, spec: str, applied: dict[str, set[str]]) -> None:
         self.step, self.spec, self.applied = step, spec, applied
         self.depth = 0
-        self.prev: dict[int, tuple] = {}
+        self.prev: dict[Any, tuple] = {}
         self.taken = 0
+        self.calls = (-1, 0)  # (step, functional loss calls in it so far)
+
+    def now(self) -> int:
+        hunt = capture._ACTIVE
+        # nanhunt's step (it counts the steps GradScaler skips); without a session, the
+        # optimizer steps taken so far
+        return hunt.step if hunt is not None else self.taken
 
     def optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.taken += 1
@@ -230,15 +248,17 @@ class _SkipBatch:
         self.depth += 1
         if not outermost or torch.compiler.is_compiling():
             return None
-        hunt = capture._ACTIVE
-        # nanhunt's step (it counts the steps GradScaler skips); without a session, the
-        # optimizer steps taken so far
-        step = hunt.step if hunt is not None else self.taken
-        key = id(module)
+        new = self.change(id(module), args)
+        if new is not None:
+            self.applied[self.spec].add(type(module).__name__)
+        return new
+
+    def change(self, key: Any, args: tuple) -> tuple | None:
+        """``args`` as step ``step`` should see them, or None to leave them."""
+        step = self.now()
         if step == self.step:
             old = self.prev.get(key)
             if old is not None and len(old) == len(args):
-                self.applied[self.spec].add(type(module).__name__)
                 return tuple(o if o is not None else a for o, a in zip(old, args))
             return None
         if step == self.step - 1 and key not in self.prev:
@@ -251,24 +271,44 @@ class _SkipBatch:
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.depth = max(0, self.depth - 1)
 
+    def loss(self, name: str, original: Any) -> Any:
+        """``torch.nn.functional.<name>`` with its target changed where :meth:`change` says,
+        when called outside every module (a loss module's call was changed already)."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.depth or torch.compiler.is_compiling():
+                return original(*args, **kwargs)
+            step = self.now()
+            n = self.calls[1] if self.calls[0] == step else 0
+            self.calls = (step, n + 1)
+            where = "target" if "target" in kwargs else 1 if len(args) > 1 else None
+            if where is None:
+                return original(*args, **kwargs)
+            target = kwargs["target"] if where == "target" else args[1]
+            new = self.change(("loss", name, n), (target,))
+            if new is not None and isinstance(new[0], torch.Tensor):
+                self.applied[self.spec].add(name)
+                if where == "target":
+                    kwargs = {**kwargs, "target": new[0]}
+                else:
+                    args = (args[0], new[0], *args[2:])
+            return original(*args, **kwargs)
+
+        return functools.wraps(original)(call)
+
 
 class _SkipSamples(_SkipBatch):
-    """Step ``step``'s outermost module calls get their batch rows ``rows`` replaced by the
-    batch's first other row, in every tensor argument with more rows than the largest of them
-    (the features and what goes with them: targets, masks, token ids, lengths)."""
+    """Step ``step``'s outermost module calls, and the functional losses called outside every
+    module, get their batch rows ``rows`` replaced by the batch's first other row, in every
+    tensor argument with more rows than the largest of them (the features and what goes with
+    them: targets, masks, token ids, lengths)."""
 
     def __init__(self, step: int, rows: list[int], spec: str,
                  applied: dict[str, set[str]]) -> None:
         super().__init__(step, spec, applied)
         self.rows = rows
 
-    def pre(self, module: nn.Module, args: tuple) -> Any:
-        outermost = self.depth == 0
-        self.depth += 1
-        if not outermost or torch.compiler.is_compiling():
-            return None
-        hunt = capture._ACTIVE
-        if (hunt.step if hunt is not None else self.taken) != self.step:
+    def change(self, key: Any, args: tuple) -> tuple | None:
+        if self.now() != self.step:
             return None
         out, changed = [], False
         for a in args:
@@ -280,10 +320,16 @@ class _SkipSamples(_SkipBatch):
                         a[self.rows] = a[good].clone()
                     changed = True
             out.append(a)
-        if not changed:
-            return None
-        self.applied[self.spec].add(type(module).__name__)
-        return tuple(out)
+        return tuple(out) if changed else None
+
+
+def _skip(p: _Patches, skip: _SkipBatch) -> None:
+    p.stack.enter_context(_M.register_module_forward_pre_hook(skip.pre))
+    p.stack.enter_context(_M.register_module_forward_hook(skip.post, always_call=True))
+    p.stack.enter_context(_O.register_optimizer_step_post_hook(skip.optimizer_step))
+    for name in LOSS_FUNCTIONS:
+        if name in vars(F):
+            p.patch(F, name, functools.partial(skip.loss, name))
 
 
 def _float32_lines(spec: FixSpec, applied: dict[str, set[str]]) -> Any:
@@ -322,12 +368,6 @@ def install(specs: list[FixSpec], stack: contextlib.ExitStack,
         elif spec.kind == "fp32-lines":
             stack.enter_context(_float32_lines(spec, applied))
         elif spec.kind == "skip-samples":
-            sample = _SkipSamples(int(spec.value or 0), sample_rows(spec), str(spec), applied)
-            stack.enter_context(_M.register_module_forward_pre_hook(sample.pre))
-            stack.enter_context(_M.register_module_forward_hook(sample.post, always_call=True))
-            stack.enter_context(_O.register_optimizer_step_post_hook(sample.optimizer_step))
+            _skip(p, _SkipSamples(int(spec.value or 0), sample_rows(spec), str(spec), applied))
         elif spec.kind == "skip-batch":
-            skip = _SkipBatch(int(spec.value or 0), str(spec), applied)
-            stack.enter_context(_M.register_module_forward_pre_hook(skip.pre))
-            stack.enter_context(_M.register_module_forward_hook(skip.post, always_call=True))
-            stack.enter_context(_O.register_optimizer_step_post_hook(skip.optimizer_step))
+            _skip(p, _SkipBatch(int(spec.value or 0), str(spec), applied))

@@ -37,6 +37,7 @@ from nanhunt.experiment.ladder import (
     classify,
     control_facts,
     cured,
+    divergence_batch_rungs,
     excuse_cycles,
     failure_step,
     first_rungs,
@@ -636,11 +637,28 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                     ex.verdict_text += f"; a learning rate x{lr.fixes[0].split('=')[1]} " \
                         "trains and learns: an optimisation failure (the learning rate)"
                     _lr_rung_recommendation(trace, ex, lr, finding)
-                elif trained:
-                    ex.verdict_text += "; " + " and ".join(
-                        f"a learning rate x{e.fixes[0].split('=')[1]}" for e in trained) + \
-                        " stayed finite but did not learn or failed otherwise (" + \
-                        "; ".join(e.detail for e in trained) + ")"
+                else:
+                    if trained:
+                        ex.verdict_text += "; " + " and ".join(
+                            f"a learning rate x{e.fixes[0].split('=')[1]}" for e in trained) \
+                            + " stayed finite but did not learn or failed otherwise (" + \
+                            "; ".join(e.detail for e in trained) + ")"
+                    # no learning rate tames it: was it one batch? (the step it diverged at,
+                    # and the one before, whose update the loss of that step shows)
+                    pool.run([rung_task(r) for r in divergence_batch_rungs(ex)], not_run)
+                    for e in ex.runs:
+                        excuse_cycles(e, trace)
+                    batch = next((e for e in ex.runs if e.rung == "skip-batch" and
+                                  _learned_cleanly(e)), None)
+                    if batch is not None:
+                        _batch_rung_recommendation(trace, ex, batch, finding)
+                    else:
+                        tried = [e for e in ex.runs if e.rung == "skip-batch"]
+                        if tried:
+                            ex.verdict_text += "; replacing " + " or ".join(
+                                f"step {_value_of(e)}'s batch" for e in tried) + \
+                                " does not remove it (" + "; ".join(
+                                    f"{e.outcome}: {e.detail}" for e in tried) + ")"
         elif ex.control_reproduced:
             rungs = [rung_task(r) for r in next_rungs(trace, ex)]
             fp32 = next((e for e in ex.runs if e.rung == "fp32"), None)
@@ -670,6 +688,9 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                                                  "change can")
                     candidates = [r for r in candidates if id(r) not in excluded]
             _adopt_lr_rung(trace, ex)
+            made = _adopt_batch_rung(trace, ex)
+            if made is not None and made not in candidates:
+                candidates = verify_order([*candidates, made])
             # candidates in order of cure: a fix a rung already ran is read again, free; the
             # first of those that trained ends the list, but the likelier cures queued before
             # it still run first and win if they train (a warm-up before "lr x0.1")
@@ -923,6 +944,65 @@ def _lr_rung_recommendation(trace: Trace, ex: Experiments, e: Experiment,
         finding.evidence.append(said + ": the learning rate")
     _rung_recommendation(trace, ex, e, "lower_lr", factor, [said],
                          f"the control, unfixed, diverged again ({control.detail})")
+
+
+def _value_of(e: Experiment) -> str:
+    return e.fixes[0].split("=", 1)[1] if e.fixes and "=" in e.fixes[0] else ""
+
+
+def _batch_rung_recommendation(trace: Trace, ex: Experiments, e: Experiment,
+                               finding: Finding | None) -> None:
+    """One batch where the run diverged with nothing non-finite and no learning rate tamed it,
+    but replacing that batch (by the one before) trains and learns: a data failure, its fix
+    that rung's."""
+    step = int(_value_of(e))
+    control = next(x for x in ex.runs if x.rung == "control")
+    said = (f"with step {step}'s batch replaced by step {step - 1}'s the re-run trains and "
+            f"learns ({e.detail}) where the control diverged again ({control.detail})")
+    ex.verdict = "data"
+    ex.verdict_text += f"; {said}: a data failure (the batch of step {step})"
+    if finding is not None and finding.kind == "divergence":
+        finding.kind, finding.phase, finding.step = "bad_input", "data", step
+        finding.message = (f"the training diverged at the batch of step {step}: "
+                           f"{control.detail}")
+        finding.evidence.append(said)
+    _rung_recommendation(
+        trace, ex, e, "fix_data", {"step": step},
+        [said, "look at that batch: an outlier, a corrupt record, labels out of range; "
+         "skip or clean it"],
+        f"the control, unfixed, diverged again ({control.detail})")
+
+
+def _adopt_batch_rung(trace: Trace, ex: Experiments) -> Recommendation | None:
+    """Where replacing one batch removed the failure and neither float32, a lower learning rate
+    nor replacing the batch's named samples did, the data fix is that batch skipped: the rules'
+    fix_data of that step takes the rung's spec, or a recommendation is made from the rung; the
+    candidates loop then reads the rung's re-run as its try."""
+    if any(cured(e, ex) for e in ex.runs if e.rung in ("fp32", "skip-samples") or
+           e.rung.startswith("lr-")):
+        return None
+    batches = sorted((e for e in ex.runs if e.rung == "skip-batch" and cured(e, ex)),
+                     key=lambda e: int(_value_of(e)))
+    if not batches:
+        return None
+    e = batches[0]  # the earliest: replacing it keeps every later step as it was
+    step = int(_value_of(e))
+    rec = next((r for r in trace.recommendations if r.type == "fix_data" and not r.fix and
+                isinstance(r.value, dict) and r.value.get("step") == step), None)
+    if rec is None:
+        control = next((x for x in ex.runs if x.rung == "control"), None)
+        rec = Recommendation(
+            type="fix_data", value={"step": step}, snippet="",
+            evidence=[f"with step {step}'s batch replaced by step {step - 1}'s the re-run "
+                      f"trained ({e.detail})"
+                      + (f" where the control failed again ({control.detail})"
+                         if control is not None else ""),
+                      "look at that batch: an outlier, a corrupt record, values in other "
+                      "units, labels out of range; skip or clean it"],
+            module=None, data={"source": "experiment"})
+        trace.recommendations.append(rec)
+    set_fix(rec, trace, [parse_fix(e.fixes[0])])
+    return rec
 
 
 def _lines_recommendation(trace: Trace, ex: Experiments) -> Recommendation | None:

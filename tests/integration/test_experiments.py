@@ -38,6 +38,7 @@ def prefetch(cli) -> dict:
                              "padded", "--steps", "5"),
         "healthy-plain": cli.python(SCRIPTS / "precision_paths.py", "--steps", "24"),
         "rows": cli.submit("diagnose", "--quiet", SCRIPTS / "bad_rows_cnn.py", verify=True),
+        "outlier": cli.submit("diagnose", "--quiet", SCRIPTS / "outlier_batch.py", verify=True),
     }
 
 
@@ -324,3 +325,33 @@ def test_bad_samples_are_shown_by_replacing_those_samples_alone(runs, tmp_path):
     lines = out.stdout.splitlines()
     assert len(lines) == 12 and first_nan(lines) is None
     assert lines[:3] == plain[:3] and lines[3] != plain[3]
+
+
+def test_the_batch_that_started_a_divergence_is_found_before_the_step_a_rule_fired(runs):
+    """A float32 MLP whose step 8 batch is in other units (x 300): nothing is non-finite, the
+    exploding-gradient rule fires at step 12. The batch rungs try step 12's batch and, because
+    the control's loss blew up at step 8, steps 8 and 7's: replacing step 8's alone trains (a
+    lower lr and clipping do not), so the verdict is data and the fix skips that batch,
+    verified by the rung's re-run. Checked against the script's own replacement by hand."""
+    res = runs["outlier"].result()
+    assert res.code == 1, res.stderr
+    report = res.report
+    ex = report["experiments"]
+    batches = {e["fixes"][0]: e["outcome"] for e in report["experiments"]["runs"]
+               if e["rung"] == "skip-batch"}
+    assert batches == {"skip-batch=12": "diverged", "skip-batch=8": "trained",
+                       "skip-batch=7": "diverged"}
+    rungs = _runs(report)
+    assert rungs["lr-0.01"]["outcome"] == "diverged" and rungs["clip"]["outcome"] == "diverged"
+    assert ex["verdict"] == "data"
+    assert "replacing step 8's batch removes it: a data failure (the batch of step 8)" \
+        in ex["verdict_text"]
+    rec = report["recommendations"][0]
+    assert rec["type"] == "fix_data" and rec["fix"] == ["skip-batch=8"] and rec["verified"]
+    script = SCRIPTS / "outlier_batch.py"
+    fixed = run_script(script, fixes=rec["fix"])
+    assert fixed == run_script(script, ["--replace", "8"])
+    plain = run_script(script)
+    loss = [float(line.split()[-1]) for line in fixed]
+    assert max(loss) < 2 * loss[0] and loss[-1] < loss[0] / 10
+    assert max(float(line.split()[-1]) for line in plain) > 1e4

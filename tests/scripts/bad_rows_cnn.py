@@ -2,9 +2,9 @@
 GradScaler: rows 2 and 6 of step 3's batch hold NaN pixels, the loss and every gradient are NaN,
 SGD writes NaN into every weight and every later loss is nan.
 
-``--replace-rows`` replaces those rows of step 3's images by the batch's row 0 by hand, which is
-what ``--fix skip-samples=3:2,6`` does from outside (the model is the only module called; the
-labels go to a functional loss and keep their rows).
+``--replace-rows`` replaces those rows of step 3's images and labels by the batch's row 0 by
+hand, which is what ``--fix skip-samples=3:2,6`` does from outside (the images at the model's
+call, the labels at the functional loss's).
 """
 
 import argparse
@@ -49,8 +49,8 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step, (inputs, targets) in enumerate(batches(args.steps)):
         if args.replace_rows and step == 3:
-            inputs = inputs.clone()
-            inputs[[2, 6]] = inputs[0].clone()
+            inputs, targets = inputs.clone(), targets.clone()
+            inputs[[2, 6]], targets[[2, 6]] = inputs[0].clone(), targets[0].clone()
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = F.cross_entropy(model(inputs), targets)

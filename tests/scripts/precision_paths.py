@@ -7,7 +7,7 @@ spells out itself:
   --style autocast  autocast(dtype) + GradScaler (float16 only, ``--scaler`` to force)
   --style half      model.half() / model.bfloat16() and x.half() / x.to(bfloat16), no scaler
   --dtype float16|bfloat16|float32
-  --replace-input N at step N the model gets step N-1's input (the labels stay step N's)
+  --replace-input N at step N the model gets step N-1's input and the loss step N-1's labels
 
 Prints ``step N loss X`` (loss.item() with full precision, for exact comparison).
 """
@@ -51,8 +51,8 @@ def main():
     for step in range(args.steps):
         x, y = batch(step)
         if args.replace_input is not None and step == args.replace_input:
-            x = previous
-        previous = x
+            x, y = previous
+        previous = x, y
         if args.style == "half" and dtype == torch.float16:
             x = x.half()
         elif args.style == "half" and dtype == torch.bfloat16:

@@ -771,3 +771,22 @@ def test_the_growth_rung_lets_gradscaler_climb_to_the_measured_scale_by_half_the
                  _rung("growth-interval", "trained", "growth-interval=2"))
     classify(ex, t)
     assert ex.verdict == "loss-scaling" and "growing every 2 steps" in ex.verdict_text
+
+
+def test_the_batch_rungs_reach_back_to_where_the_loss_blew_up():
+    from nanhunt.experiment.ladder import batch_rungs, divergence_batch_rungs
+
+    t = _original()
+    ex = _ex(t, control="recurred")
+    control = next(e for e in ex.runs if e.rung == "control")
+    control.losses = [1.0, 0.9, 0.8, 0.7, 0.6, 25.0, 40.0, 30.0]  # blew up (10x) at step 5
+    assert [r.fixes[0] for r in batch_rungs(ex, 7)] == ["skip-batch=7", "skip-batch=5",
+                                                         "skip-batch=4"]
+    assert [r.fixes[0] for r in batch_rungs(ex, 5)] == ["skip-batch=5"]  # no earlier onset
+    control.losses = [1.0, 0.9, 0.8]
+    assert [r.fixes[0] for r in batch_rungs(ex, 2)] == ["skip-batch=2"]
+    assert batch_rungs(ex, 0) == []  # step 0 has no batch before it
+    # a run with no failure found: only where its control diverged again
+    assert divergence_batch_rungs(ex) == []
+    control.outcome, control.losses = "diverged", [2.0, 1.5, 1.2, 30.0, 9.0]
+    assert [r.fixes[0] for r in divergence_batch_rungs(ex)] == ["skip-batch=3", "skip-batch=2"]

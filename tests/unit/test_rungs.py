@@ -75,6 +75,7 @@ for step in range(4):
     if step == replace and row:
         x, pad = x.clone(), pad.clone()
         x[1], pad[1] = x[0].clone(), pad[0].clone()
+        y = torch.tensor([0, 0, 0])  # the loss's labels: row 1 from row 0 too
     elif step == replace:  # the script's own path: the previous batch, the same labels
         x, pad = batches[step - 1]
     opt.zero_grad()
