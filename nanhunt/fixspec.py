@@ -543,7 +543,11 @@ def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
         return Snippet("# no model.register_comm_hook(...): DDP then all-reduces the gradients "
                        "in their own dtype")
     if spec.kind == "skip-batch":
-        return Snippet(f"if step == {v}:\n    continue  # skip this batch (or clean it)")
+        return Snippet("\n".join([
+            "for step, batch in enumerate(loader):  # your training loop",
+            f"    if step == {v}:",
+            "        continue  # skip this batch (or clean it)",
+            "    ...  # the step, as before"]))
     if spec.kind == "skip-samples":
         rows = sample_rows(spec)
         which = (f"row {rows[0]}" if len(rows) == 1 else

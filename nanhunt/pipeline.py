@@ -5,6 +5,7 @@ Each stage is guarded: a stage that fails leaves a note in the report instead of
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from nanhunt.capture.sentinel import Sentinel as _BareSentinel
+from nanhunt.distributed import _LAUNCHER_ENV, needs_locating
 from nanhunt.replay.step import TripAnalyst
 from nanhunt.trace import RunInfo, Trace
 
@@ -158,6 +160,8 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
             if ctrl_c is not None:
                 ctrl_c.raising = False
     paths = _write(trace, out_dir, write_reports, ("json",) if run.rerun else None)
+    if distributed and not quiet and os.environ.get(_LAUNCHER_ENV) and needs_locating(trace):
+        quiet = True  # the launcher locates the step by a re-run, then prints the summary
     if not quiet:
         from rich.console import Console
 

@@ -31,11 +31,11 @@ _INSTALLABLE = ("fp32_module", "clamp", "eps", "init_scale", "clip_grad_norm", "
 #: a floor removes the invalid op (an eps too, when the module has one), float32 master
 #: weights change only the optimizer's arithmetic (every module still computes in low
 #: precision), a float32 region keeps a module's values, a clamp only bounds a symptom
-_PRIORITY = {"comm_hook": 0, "no_comm_hook": 1, "fix_data": 0,
+_PRIORITY = {"comm_hook": 0, "no_comm_hook": 1,
              "clamp_op": 0, "eps": 1, "fp32_master_weights": 1, "fp32_lines": 1,
              "fp32_module": 2,
              "init_scale": 3, "logit_cap": 3, "z_loss": 3, "lr_warmup": 4,
-             "clip_grad_norm": 4, "lower_lr": 5, "clamp": 6}
+             "clip_grad_norm": 4, "lower_lr": 5, "fix_data": 5, "clamp": 6}
 _DEFAULT_GROWTH_INTERVAL = 2000
 
 

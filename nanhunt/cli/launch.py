@@ -1,10 +1,18 @@
 """``nanhunt diagnose --nproc-per-node N``: the same run under torch.distributed's own launcher;
 rank 0 merges the ranks' reports (:mod:`nanhunt.distributed`), and the launcher falls back to
-merging the rank files itself when rank 0 wrote none."""
+merging the rank files itself when rank 0 wrote none.
+
+Where the sentinel could not replay the failing step (a model sharded across the ranks: no rank
+can replay its step alone), the launcher locates it by a re-run: the same job under torchrun,
+traced in full, stopped after the failing step, its files redirected as a verification re-run's
+(:mod:`nanhunt.experiment.sandbox`). Where that re-run fails at the same step, its origin (layer,
+op, rank), diagnosis and recommendations are the report's, labelled so; otherwise the report
+says what the re-run found instead."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,11 +20,14 @@ import time
 from pathlib import Path
 
 from nanhunt.cli.args import diagnose_parser, split_argv
-from nanhunt.distributed import _LAUNCHER_ENV, merge_rank_files
+from nanhunt.distributed import _LAUNCHER_ENV, merge_rank_files, needs_locating
 from nanhunt.errors import EXIT_INTERRUPTED, EXIT_PROBLEM, EXIT_SCRIPT_FAILED, NanhuntError
 from nanhunt.trace import Trace
 
-__all__ = ["launch", "torchrun_command"]
+__all__ = ["LOCATE_DIR", "launch", "needs_locating", "torchrun_command"]
+
+#: the locating re-run's folder, in the report's
+LOCATE_DIR = "locate"
 
 
 def _without_nproc(options: list[str]) -> list[str]:
@@ -87,6 +98,13 @@ def launch(nproc: int, argv: list[str]) -> int:
             return EXIT_INTERRUPTED if interrupted else (rc or EXIT_SCRIPT_FAILED)
         trace.notes.append("rank 0 wrote no merged report; the launcher merged the rank files")
         _write_fallback(trace, out_dir, quiet=opts.quiet, show_all=opts.show_all)
+    if not interrupted and needs_locating(trace):
+        try:
+            locate(trace, nproc, argv, out_dir)
+        except KeyboardInterrupt:
+            interrupted = True
+            trace.notes.append("the locating re-run was interrupted (Ctrl-C)")
+        _write_fallback(trace, out_dir, quiet=opts.quiet, show_all=opts.show_all)
     if trace.problem or (opts.strict and trace.warnings):
         return EXIT_PROBLEM
     if interrupted or trace.run.status == "interrupted":
@@ -115,3 +133,92 @@ def _write_fallback(trace: Trace, out_dir: Path, *, quiet: bool, show_all: bool)
         console = Console(stderr=True, highlight=False)
         render_terminal(trace, console, show_all=show_all)
         console.print("reports: " + ", ".join(str(p) for p in paths.values()), soft_wrap=True)
+
+
+#: options the locating re-run sets itself
+_OWN = {"--mode", "--out", "--max-steps", "--verify", "--nproc-per-node", "--sample-every",
+        "--keep-steps", "--jobs", "--budget"}
+_FLAGS = {"--quiet", "--keep-going", "--all", "--strict"}
+
+
+def _locate_argv(argv: list[str], out: Path, step: int) -> list[str]:
+    ours, script, module, rest = split_argv(argv)
+    kept: list[str] = []
+    i = 0
+    while i < len(ours):
+        tok = ours[i]
+        name = tok.split("=", 1)[0]
+        if name in _OWN:
+            i += 1 if "=" in tok else 2
+            continue
+        if tok not in _FLAGS:
+            kept.append(tok)
+        i += 1
+    kept += ["--mode", "full", "--out", str(out), "--max-steps", str(step + 1), "--verify", "0",
+             "--quiet"]
+    where = ["-m", module] if module else ["--", script] if script else []
+    return kept + where + rest
+
+
+def locate(trace: Trace, nproc: int, argv: list[str], out_dir: Path) -> None:
+    """Re-run the job in full tracing up to the step the sentinel could not replay, and adopt
+    what it locates there (:func:`adopt_located`)."""
+    f = trace.first_failure
+    assert f is not None
+    out = out_dir / LOCATE_DIR
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    opts = diagnose_parser().parse_args(split_argv(argv)[0])
+    if not opts.quiet:
+        print(f"nanhunt: step {f.step} was not replayed on this sharded model; re-running steps "
+              f"0-{f.step} with full tracing on {nproc} processes to name the layer",
+              file=sys.stderr)
+    cmd = torchrun_command(nproc, _locate_argv(list(argv), out.resolve(), f.step))
+    env = {**os.environ, _LAUNCHER_ENV: "1", "NANHUNT_RERUN": "1", "WANDB_MODE": "disabled",
+           "NANHUNT_SCRATCH": str((out / "files").resolve())}
+    started = time.time()
+    with open(out / "output.txt", "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait()
+            raise
+    located = _read_report(out / "report.json", newer_than=started - 1) or \
+        merge_rank_files(out, nproc, newer_than=started - 1)
+    adopt_located(trace, located, f"exit status {rc}", nproc)
+
+
+def adopt_located(trace: Trace, located: Trace | None, ended: str, nproc: int) -> None:
+    """Where the locating re-run failed at the sentinel's step with an observed origin, its
+    origin, diagnosis, recommendations and module table become the report's; otherwise the
+    report keeps the sentinel's and says what the re-run found."""
+    f = trace.first_failure
+    assert f is not None
+    how = (f"a full-tracing re-run of steps 0-{f.step} under torchrun on {nproc} processes "
+           f"(files redirected to {LOCATE_DIR}/files; its report in {LOCATE_DIR}/report.json)")
+    g = located.first_failure if located is not None else None
+    if located is None or g is None or g.step != f.step or not g.observed:
+        found = ("wrote no report (" + ended + ")" if located is None else
+                 "found no failure" if g is None else
+                 f"failed at step {g.step}, not {f.step}" if g.step != f.step else
+                 "did not observe the origin either")
+        trace.notes.append(f"the sentinel could not replay step {f.step}; {how} {found}: the "
+                           "origin stays unobserved")
+        return
+    same_rank = f.rank is None or g.rank is None or g.rank == f.rank
+    g.detail = "; ".join(filter(None, [
+        g.detail, f"located by {how}, which failed at the same step"
+        + ("" if same_rank else f" (on rank {g.rank}; the sentinel saw rank {f.rank} first)")]))
+    trace.first_failure = g
+    trace.problem = located.problem or trace.problem
+    trace.diagnosis = located.diagnosis
+    trace.warnings = located.warnings
+    trace.recommendations = located.recommendations
+    trace.layers = located.layers or trace.layers
+    trace.ops = located.ops
+    trace.all_ranks_failed = located.all_ranks_failed
+    trace.notes.append(f"the sentinel could not replay step {f.step} (its weights are split "
+                       f"across the ranks); {how} failed there too and names the origin: "
+                       f"{g.where()}" + (f" on rank {g.rank}" if g.rank is not None else ""))

@@ -457,6 +457,13 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                                        "verdict is the rules' alone")
         _label_untried(trace, v.note)
         return
+    if trace.run.status == "interrupted":
+        v.note = "not re-run: the run was interrupted (Ctrl-C)"
+        ex.source = "rules"
+        ex.note = ("the run was interrupted (Ctrl-C): no experiment was started; the verdict is "
+                   "the rules' alone")
+        _label_untried(trace, "not verified: the run was interrupted (Ctrl-C)")
+        return
     if cfg.tries <= 0:
         v.note = "re-run verification is off (--verify 0)"
         ex.source = "rules"

@@ -195,11 +195,12 @@ def test_real_ctrl_c_during_training(tmp_path):
         import torch
         from torch import nn
         model = nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        x = torch.randn(8, 4)
         step = 0
-        while True:
+        while True:  # one batch, a tiny lr: the loss falls at a steady pace (no stall)
             opt.zero_grad()
-            model(torch.randn(8, 4)).pow(2).mean().backward()
+            model(x).pow(2).mean().backward()
             opt.step()
             step += 1
             if step == 5:

@@ -413,7 +413,12 @@ def prefetch(cli) -> dict:
     return {"ddp": cli.call(("torchrun", "ddp-nan-batch"),
                             lambda cwd: (cwd, _run(_ddp_nan_batch(_torchrun), cwd))),
             "fsdp2-float16": cli.call(("torchrun", "fsdp2", "float16"),
-                                      lambda cwd: (cwd, _run(_fsdp2("float16"), cwd)))}
+                                      lambda cwd: (cwd, _run(_fsdp2("float16"), cwd))),
+            "fsdp2-sentinel": cli.call(("torchrun", "fsdp2", "sentinel"),
+                                       lambda cwd: (cwd, _run(_nanhunt(
+                                           "--mode", "sentinel", "--out", "out",
+                                           str(SCRIPTS / "fsdp2_overflow.py"), "--plant"),
+                                           cwd)))}
 
 
 # one torchrun job of each kind stays in the default suite (DDP here, FSDP2 below); the rest of
@@ -701,3 +706,27 @@ def test_the_comm_hook_fix_under_torchrun_trains_quietly(tmp_path):
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines()
               if line.startswith("rank ")]
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+
+
+def test_the_sentinel_on_a_sharded_model_names_the_layer_by_a_locating_rerun(cli):
+    """FSDP2 under --mode sentinel: no rank can replay the failing step alone (the weights are
+    split across the ranks), so the launcher re-runs the job with full tracing up to that step,
+    its output and files kept out of the user's, and the report takes the layer, rank and cause
+    that re-run found at the same step (the layer the script planted the overflow in), labelled
+    as located by the re-run; one summary on the terminal."""
+    tmp_path, proc = prefetch(cli)["fsdp2-sentinel"].result()
+    assert proc.returncode == 1, proc.stderr
+    report = _report(tmp_path / "out")
+    assert report["run"]["mode"] == "sentinel"
+    ff = report["first_failure"]
+    assert (ff["rank"], ff["step"], ff["phase"], ff["module"], ff["tensor"]) == (
+        1, 2, "forward", "2", "output"), proc.stderr
+    assert ff["observed"] is True and "located by a full-tracing re-run" in ff["detail"]
+    assert report["diagnosis"]["kind"] == "overflow"
+    assert any("names the origin: step 2 / forward / 2 / output" in n for n in report["notes"])
+    located = _report(tmp_path / "out" / "locate")
+    assert located["run"]["mode"] == "full" and located["first_failure"]["module"] == "2"
+    # the re-run's printed lines went to its own log, not to the user's stdout: one run's lines
+    assert proc.stdout.count("rank 1 step 1 loss") == 1
+    assert "rank 1 step 1 loss" in (tmp_path / "out" / "locate" / "output.txt").read_text()
+    assert proc.stderr.count("PROBLEM:") == 1 and "re-running steps 0-2" in proc.stderr

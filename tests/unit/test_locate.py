@@ -1,0 +1,60 @@
+"""The launcher's locating re-run (nanhunt.cli.launch): its command line and what it adopts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nanhunt.cli.launch import _locate_argv, adopt_located
+from nanhunt.distributed import needs_locating
+from nanhunt.trace import Failure, Finding, RunInfo, TensorStats, Trace
+
+
+def _stats() -> TensorStats:
+    return TensorStats(dtype="float16", shape=[2], numel=2, nan=1, amax=1.0)
+
+
+def _sentinel_trace() -> Trace:
+    f = Failure(step=3, phase="forward", module="", tensor="loss", stats=_stats(), rank=1,
+                observed=False, detail="step 3 was not replayed: model is sharded")
+    return Trace(run=RunInfo(mode="sentinel"), first_failure=f, problem=True)
+
+
+def test_the_rerun_is_the_same_job_traced_in_full_up_to_the_failing_step():
+    argv = ["--nproc-per-node", "2", "--mode", "sentinel", "--out=r", "--fix", "bf16", "-q",
+            "--quiet", "--verify", "2", "train.py", "--mode", "x", "--out", "y"]
+    assert _locate_argv(argv, Path("/o/locate"), 3) == [
+        "--fix", "bf16", "-q", "--mode", "full", "--out", "/o/locate", "--max-steps", "4",
+        "--verify", "0", "--quiet", "--", "train.py", "--mode", "x", "--out", "y"]
+    assert _locate_argv(["-m", "pkg.train", "--lr", "1"], Path("o"), 0)[-4:] == [
+        "-m", "pkg.train", "--lr", "1"]
+
+
+def test_only_an_unreplayed_sentinel_step_is_located():
+    t = _sentinel_trace()
+    assert needs_locating(t)
+    t.first_failure.observed = True
+    assert not needs_locating(t)
+    t = _sentinel_trace()
+    t.run.mode = "full"
+    assert not needs_locating(t)
+
+
+def test_a_rerun_that_fails_elsewhere_leaves_the_origin_unobserved_and_says_so():
+    for located, said in [
+            (None, "wrote no report (exit status 1)"),
+            (Trace(), "found no failure"),
+            (Trace(first_failure=Failure(step=5, phase="forward", module="a", tensor="output",
+                                         stats=_stats())), "failed at step 5, not 3")]:
+        t = _sentinel_trace()
+        adopt_located(t, located, "exit status 1", 2)
+        assert not t.first_failure.observed and t.first_failure.tensor == "loss"
+        assert said in t.notes[-1] and "the origin stays unobserved" in t.notes[-1]
+    t = _sentinel_trace()
+    g = Failure(step=3, phase="forward", module="blocks.1", tensor="output", stats=_stats(),
+                rank=1)
+    found = Trace(first_failure=g, problem=True,
+                  diagnosis=Finding(rule="forward-overflow", kind="overflow", severity="error",
+                                    message="m"))
+    adopt_located(t, found, "exit status 0", 2)
+    assert t.first_failure.module == "blocks.1" and t.diagnosis.kind == "overflow"
+    assert "located by a full-tracing re-run of steps 0-3" in t.first_failure.detail
