@@ -439,6 +439,11 @@ class RankContext:
     def distributed(self) -> bool:
         return self.world_size > 1 or self.workers is not None
 
+    def leaves_summary_to_launcher(self, trace: Trace) -> bool:
+        """Under ``nanhunt diagnose --nproc-per-node``, a merged report whose failing step the
+        launcher will locate by a re-run: it prints the summary after that, not rank 0."""
+        return bool(os.environ.get(_LAUNCHER_ENV)) and needs_locating(trace)
+
     @property
     def writes_report(self) -> bool:
         """This process writes the merged report: rank 0, or the parent of spawned workers."""

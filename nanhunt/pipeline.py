@@ -5,7 +5,6 @@ Each stage is guarded: a stage that fails leaves a note in the report instead of
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -13,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from nanhunt.capture.sentinel import Sentinel as _BareSentinel
-from nanhunt.distributed import _LAUNCHER_ENV, needs_locating
 from nanhunt.replay.step import TripAnalyst
 from nanhunt.trace import RunInfo, Trace
 
@@ -160,7 +158,7 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
             if ctrl_c is not None:
                 ctrl_c.raising = False
     paths = _write(trace, out_dir, write_reports, ("json",) if run.rerun else None)
-    if distributed and not quiet and os.environ.get(_LAUNCHER_ENV) and needs_locating(trace):
+    if distributed and not quiet and ctx.leaves_summary_to_launcher(trace):
         quiet = True  # the launcher locates the step by a re-run, then prints the summary
     if not quiet:
         from rich.console import Console

@@ -174,7 +174,8 @@ def locate(trace: Trace, nproc: int, argv: list[str], out_dir: Path) -> None:
               f"0-{f.step} with full tracing on {nproc} processes to name the layer",
               file=sys.stderr)
     cmd = torchrun_command(nproc, _locate_argv(list(argv), out.resolve(), f.step))
-    env = {**os.environ, _LAUNCHER_ENV: "1", "NANHUNT_RERUN": "1", "WANDB_MODE": "disabled",
+    env = {**os.environ, _LAUNCHER_ENV: "1", "NANHUNT_RERUN": "1", "NANHUNT_LOCATING": "1",
+           "WANDB_MODE": "disabled",
            "NANHUNT_SCRATCH": str((out / "files").resolve())}
     started = time.time()
     with open(out / "output.txt", "wb") as log:

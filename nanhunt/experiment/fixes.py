@@ -603,7 +603,11 @@ class RunFixes:
 
     @property
     def rerun(self) -> bool:
-        return os.environ.get("NANHUNT_RERUN") == "1"
+        """A verification re-run, judged by its steps alone (no replay, report.json only). The
+        launcher's locating re-run (``NANHUNT_LOCATING=1``) is sandboxed like one but analysed
+        in full: its origin is the point."""
+        return os.environ.get("NANHUNT_RERUN") == "1" and \
+            os.environ.get("NANHUNT_LOCATING") != "1"
 
     def install(self) -> RunFixes:
         from nanhunt.experiment import sandbox

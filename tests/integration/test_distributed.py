@@ -407,13 +407,11 @@ def _printed(stdout: str) -> dict[tuple[int, int], tuple[float, float]]:
 
 
 def prefetch(cli) -> dict:
-    """The default suite's two torchrun jobs, in the session's shared pool (tests/integration/
+    """The default suite's torchrun jobs, in the session's shared pool (tests/integration/
     conftest.py), each in a fresh folder: their three processes run beside the in-process
     tests instead of holding up this thread."""
     return {"ddp": cli.call(("torchrun", "ddp-nan-batch"),
                             lambda cwd: (cwd, _run(_ddp_nan_batch(_torchrun), cwd))),
-            "fsdp2-float16": cli.call(("torchrun", "fsdp2", "float16"),
-                                      lambda cwd: (cwd, _run(_fsdp2("float16"), cwd))),
             "fsdp2-sentinel": cli.call(("torchrun", "fsdp2", "sentinel"),
                                        lambda cwd: (cwd, _run(_nanhunt(
                                            "--mode", "sentinel", "--out", "out",
@@ -528,11 +526,17 @@ def test_fsdp2_mixed_precision_overflow_on_one_rank_names_the_layer_and_rank(tmp
     names as the user wrote them, the overflowing layer on rank 1, float32 advice as a change
     of the policy."""
     if dtype == "float16":
-        tmp_path, proc = prefetch(cli)["fsdp2-float16"].result()
+        # the default suite's full-tracing FSDP2 job is the locating re-run of the sentinel job
+        # (below): the same script and arguments under torchrun, --mode full, stopped after the
+        # failing step, its output in locate/output.txt
+        tmp_path, proc = prefetch(cli)["fsdp2-sentinel"].result()
+        out = tmp_path / "out" / "locate"
+        stdout = (out / "output.txt").read_text()
     else:
         proc = _run(_fsdp2(dtype), tmp_path)
+        out, stdout = tmp_path / "out", proc.stdout
     assert "internal error" not in proc.stderr, proc.stderr
-    report = _report(tmp_path / "out")
+    report = _report(out)
     ff = report["first_failure"]
     assert (ff["rank"], ff["step"], ff["phase"], ff["module"], ff["tensor"]) == (
         1, 2, "forward", "2", "output"), proc.stderr
@@ -546,12 +550,12 @@ def test_fsdp2_mixed_precision_overflow_on_one_rank_names_the_layer_and_rank(tmp
         (0, True, 3), (1, True, 3)]
     # the whole gradients' statistics on every rank, though each rank summarised its shard
     printed = {}
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         words = line.split()
         if words[:1] == ["rank"]:
             printed[(int(words[1]), int(words[3]))] = (float(words[7]), float(words[9]))
     for r in (0, 1):
-        own = json.loads((tmp_path / "out" / "ranks" / f"rank-{r}.json").read_text())
+        own = json.loads((out / "ranks" / f"rank-{r}.json").read_text())
         layer0 = next(layer for layer in own["layers"] if layer["module"] == "0")
         for step in (0, 1):
             gnorm, amax0 = printed[(r, step)]
