@@ -545,9 +545,11 @@ def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
     if spec.kind == "skip-batch":
         return Snippet("\n".join([
             "for step, batch in enumerate(loader):  # your training loop",
-            f"    if step == {v}:",
+            f"    if step == {v}:  # nanhunt's step {v}: the {_ordinal(int(spec.value or 0))} "
+            "training step",
             "        continue  # skip this batch (or clean it)",
-            "    ...  # the step, as before"]))
+            "    ...  # the step, as before",
+            "# (the experiment that showed it gave that step the previous batch instead)"]))
     if spec.kind == "skip-samples":
         rows = sample_rows(spec)
         which = (f"row {rows[0]}" if len(rows) == 1 else
@@ -558,12 +560,21 @@ def _one(spec: FixSpec, ctx: SnippetContext) -> Snippet:
             "bad = nonfinite_rows(inputs)",
             "if bad:",
             "    keep = [i for i in range(len(inputs)) if i not in bad]",
-            "    inputs, targets = inputs[keep], targets[keep]"]), NONFINITE_ROWS_HELPER)
+            "    inputs, targets = inputs[keep], targets[keep]  # and masks, ids, ...",
+            "# (the experiment that showed it gave those rows another row's values instead)"]),
+            NONFINITE_ROWS_HELPER)
     if spec.kind == "fp32-master":
         return Snippet("masters = {}  # once, after the optimizer is made\n"
                        f"step_with_fp32_master({opt}, masters)  # instead of {opt}.step()",
                        FP32_MASTER_HELPER)
     raise NanhuntError(f"no snippet for --fix {spec}")
+
+
+def _ordinal(k: int) -> str:
+    """0 -> "1st", 1 -> "2nd", ...: a step counted from 0, said as a count."""
+    n = k + 1
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def _floor_snippet(spec: FixSpec, ctx: SnippetContext) -> str:

@@ -91,19 +91,29 @@ def launch(nproc: int, argv: list[str]) -> int:
             proc.send_signal(signal.SIGTERM)
             rc = proc.wait()
     trace = _read_report(out_dir / "report.json", newer_than=started - 1)
+    rewrite = False
     if trace is None:
         trace = merge_rank_files(out_dir, nproc, newer_than=started - 1)
         if trace is None:
             print(f"nanhunt: the ranks wrote no report (torchrun exited {rc})", file=sys.stderr)
             return EXIT_INTERRUPTED if interrupted else (rc or EXIT_SCRIPT_FAILED)
         trace.notes.append("rank 0 wrote no merged report; the launcher merged the rank files")
-        _write_fallback(trace, out_dir, quiet=opts.quiet, show_all=opts.show_all)
-    if not interrupted and needs_locating(trace):
+        rewrite = True
+    if needs_locating(trace):
+        # rank 0 left the summary to this process: it is printed once, below, whatever happens
+        rewrite = True
         try:
-            locate(trace, nproc, argv, out_dir)
+            if interrupted:
+                trace.notes.append("the sentinel could not replay the failing step; the run was "
+                                   "interrupted, so no locating re-run was started")
+            else:
+                locate(trace, nproc, argv, out_dir)
         except KeyboardInterrupt:
             interrupted = True
             trace.notes.append("the locating re-run was interrupted (Ctrl-C)")
+        except Exception as exc:  # the sentinel's report stands
+            trace.notes.append(f"the locating re-run failed ({type(exc).__name__}: {exc})")
+    if rewrite:
         _write_fallback(trace, out_dir, quiet=opts.quiet, show_all=opts.show_all)
     if trace.problem or (opts.strict and trace.warnings):
         return EXIT_PROBLEM
@@ -215,11 +225,20 @@ def adopt_located(trace: Trace, located: Trace | None, ended: str, nproc: int) -
     trace.first_failure = g
     trace.problem = located.problem or trace.problem
     trace.diagnosis = located.diagnosis
-    trace.warnings = located.warnings
+    seen = {(w.rule, w.step, w.module) for w in located.warnings}
+    trace.warnings = located.warnings + [w for w in trace.warnings
+                                         if (w.rule, w.step, w.module) not in seen]
     trace.recommendations = located.recommendations
     trace.layers = located.layers or trace.layers
     trace.ops = located.ops
     trace.all_ranks_failed = located.all_ranks_failed
+    # each rank's own first failure where the re-run saw one at the same step (the rest of
+    # each rank's row, its steps, is the sentinel run's)
+    theirs = {r.rank: r.first_failure for r in located.ranks}
+    for r in trace.ranks:
+        mine = theirs.get(r.rank)
+        if mine is not None and r.first_failure is not None and mine.step == r.first_failure.step:
+            r.first_failure = mine
     trace.notes.append(f"the sentinel could not replay step {f.step} (its weights are split "
                        f"across the ranks); {how} failed there too and names the origin: "
                        f"{g.where()}" + (f" on rank {g.rank}" if g.rank is not None else ""))

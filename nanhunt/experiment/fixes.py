@@ -188,6 +188,7 @@ class Fixes:
         self._lr_script: set[int] = set()
         self._lr_restore: list[tuple[dict, Any]] = []
         self._step_ends = 0
+        self._skips = [s for s in self.specs if s.kind in ("skip-batch", "skip-samples")]
         self._comm_hook = next((s for s in self.specs if s.kind == "comm-hook"), None)
         self._comm_hooks_registered = 0
         kinds = {s.kind for s in self.specs}
@@ -275,6 +276,11 @@ class Fixes:
             if final and spec.kind == "fp32-lines" and not self.applied[str(spec)]:
                 return (f"--fix {spec}: no torch op ran on those lines of a file named like "
                         f"{spec.patterns[0]!r}")
+            if spec.kind in ("skip-batch", "skip-samples") and not self.applied[str(spec)] \
+                    and (final or self._step_ends > (spec.value or 0)):
+                return (f"--fix {spec}: nothing was replaced: no module call (with positional "
+                        "tensor arguments) or functional loss outside one got batch tensors "
+                        f"to replace at step {number(spec.value)}")
         if final and self._optimizer_specs and not self._optimizers:
             return self._no_optimizer()
         if final and any(v is not None for v in self._scaler_args.values()) and \
@@ -510,6 +516,10 @@ class Fixes:
         self._step_ends += 1
         if trained and self._optimizer_specs and not self._optimizers:
             raise FixMismatch(self._no_optimizer())
+        if self._skips and self._step_ends > max(int(s.value or 0) for s in self._skips):
+            message = self.mismatch()  # a batch rung past its step that replaced nothing
+            if message is not None:
+                raise FixMismatch(message)
         if self._zloss is not None and trained:
             if self._zloss.pending and not self._zloss.added:
                 spec = next(s for s in self.specs if s.kind == "zloss")
@@ -614,7 +624,7 @@ class RunFixes:
 
         if self.fixes is not None:
             self.fixes.install()
-        if self.rerun:
+        if os.environ.get("NANHUNT_RERUN") == "1":  # a verification or a locating re-run
             self.sandbox = sandbox.install()
         return self
 

@@ -32,6 +32,7 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nanhunt.analyse.advise import choose_init_scale, clip_value
 from nanhunt.analyse.curve_advice import warmup_steps
@@ -40,12 +41,13 @@ from nanhunt.fixspec import MAX_SAMPLES, number, parse_fix, sample_rows
 from nanhunt.formats import get_format
 from nanhunt.trace import Experiment, Experiments, Finding, StepRecord, Trace
 
-__all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "batch_rungs", "classify", "contradiction",
-           "divergence_batch_rungs", "drop", "excuse_cycles", "failure_step", "first_rungs",
-           "half_optimizer", "horizon", "learning", "lines_runs", "loss_gap", "loss_span",
-           "measured_clip", "measured_growth_interval", "measured_init_scale", "next_rungs",
-           "outcome", "same_problem", "samples_rung", "silent_candidate", "silent_verdict",
-           "source_ranges", "source_rungs", "suspect_rungs", "uses_low_precision", "warmup_verdict"]
+__all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "batch_rungs", "batch_runs", "classify",
+           "contradiction", "cured_batch", "divergence_batch_rungs", "drop", "excuse_cycles",
+           "failure_step", "first_rungs", "half_optimizer", "horizon", "learning", "lines_runs",
+           "loss_gap", "loss_span", "measured_clip", "measured_growth_interval",
+           "measured_init_scale", "next_rungs", "outcome", "same_problem", "samples_rung",
+           "silent_candidate", "silent_verdict", "source_ranges", "source_rungs", "suspect_rungs",
+           "uses_low_precision", "warmup_verdict"]
 
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
@@ -337,6 +339,24 @@ def divergence_batch_rungs(ex: Experiments) -> list[Rung]:
              f"step {s - 1}'s?") for s in (at, at - 1) if s >= 1]
 
 
+def batch_runs(ex: Experiments) -> list[Experiment]:
+    """The batch rungs that ran, by step."""
+    return sorted((e for e in ex.runs if e.rung == "skip-batch" and e.outcome != "not run"
+                   and e.fixes), key=lambda e: int(_value(e)))
+
+
+def cured_batch(ex: Experiments, *, check: Any = None) -> Experiment | None:
+    """The earliest batch rung that removed the failure (``check``: the test, :func:`cured` by
+    default), where it is specific: with more than one batch rung run, one replaced batch that
+    did not remove it (every replaced batch curing says the run is sensitive to its data, not
+    that one batch is bad)."""
+    runs = batch_runs(ex)
+    ok = [e for e in runs if (check(e) if check is not None else cured(e, ex))]
+    if not ok or (len(runs) > 1 and len(ok) == len(runs)):
+        return None
+    return ok[0]
+
+
 def _blowup_at(e: Experiment) -> int | None:
     """The first step at which a re-run's loss was non-finite or above BLOWUP x its first."""
     first = next((v for v in e.losses if v is not None and math.isfinite(v)), None)
@@ -355,8 +375,9 @@ def samples_rung(trace: Trace) -> Rung | None:
     if f is None or not f.bad_samples or not f.batch_rows:
         return None
     rows = sorted({i for idx in f.bad_samples.values() for i in idx})
-    if not rows or len(rows) >= f.batch_rows or len(rows) > MAX_SAMPLES:
-        return None
+    if not rows or len(rows) >= f.batch_rows or len(rows) > MAX_SAMPLES or any(
+            len(idx) >= MAX_SAMPLES for idx in f.bad_samples.values()):
+        return None  # (a list of MAX_SAMPLES may have been cut short: not every bad row)
     listed = ",".join(map(str, rows))
     return Rung("skip-samples", (f"skip-samples={f.step}:{listed}",),
                 f"does it train with sample{'s' if len(rows) > 1 else ''} "
@@ -717,8 +738,8 @@ def classify(ex: Experiments, trace: Trace) -> None:
         lrs = [e for e in (_run(ex, "lr-0.1"), _run(ex, "lr-0.01")) if e is not None]
         lr = next((e for e in lrs if cured(e, ex)), None)
         clip = _run(ex, "clip")
-        skips = [e for e in ex.runs if e.rung == "skip-batch" and e.outcome != "not run"]
-        skip = next((e for e in skips if cured(e, ex)), skips[0] if skips else None)
+        skips = batch_runs(ex)
+        skip = cured_batch(ex)
         sample = _run(ex, "skip-samples")
         if cured(sample, ex):
             # the narrowest change that removes it: the named samples alone (checked first: a
@@ -734,7 +755,7 @@ def classify(ex: Experiments, trace: Trace) -> None:
             verdict = "optimisation"
             name = "an optimisation failure (the gradient norm)"
             said.append(f"clipping the gradient norm at {_value(clip)} removes it")
-        elif cured(skip, ex):
+        elif skip is not None:
             verdict = "data"
             name = f"a data failure (the batch of step {_value(skip)})"
             said.append(f"replacing step {_value(skip)}'s batch removes it")
@@ -745,7 +766,11 @@ def classify(ex: Experiments, trace: Trace) -> None:
                             + " does not (" + ", ".join(_how(e, ex) for e in lrs) + ")")
             if clip is not None:
                 said.append(f"clipping at {_value(clip)} does not ({_how(clip, ex)})")
-            if skips:
+            if skips and all(cured(e, ex) for e in skips) and len(skips) > 1:
+                said.append("replacing " + " or ".join(f"step {_value(e)}'s batch" for e in skips)
+                            + " each removes it: the run is sensitive to its data, no one batch "
+                            "is bad")
+            elif skips:
                 said.append("replacing " + " or ".join(f"step {_value(e)}'s batch" for e in skips)
                             + " does not (" + ", ".join(_how(e, ex) for e in skips) + ")")
             if sample is not None:

@@ -46,6 +46,7 @@ from torch.optim import optimizer as _O
 
 from nanhunt import capture
 from nanhunt._patching import patch
+from nanhunt.capture._util import _in_backward
 from nanhunt.fixspec import FP32_LINES_HELPER, FixSpec, sample_rows
 
 __all__ = ["GLOBAL_KINDS", "FixMismatch", "install"]
@@ -223,16 +224,24 @@ LOSS_FUNCTIONS = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1
                   "multi_margin_loss", "multilabel_margin_loss")
 
 
+def _data(a: Any) -> bool:
+    """A batch tensor: made by the data pipeline, not by the model (no autograd history)."""
+    return isinstance(a, torch.Tensor) and a.grad_fn is None and not a.requires_grad
+
+
 class _SkipBatch:
-    """Step ``step``'s outermost module calls get step ``step - 1``'s tensors, and the targets
-    of functional losses called outside every module likewise (by call order in the step)."""
+    """Step ``step``'s outermost module calls get step ``step - 1``'s batch tensors (by call
+    order in the step), and the targets of functional losses called outside every module
+    likewise. Only data (tensors with no autograd history) is replaced: a loss module's logits
+    are the model's output on the replaced batch already."""
 
     def __init__(self, step: int, spec: str, applied: dict[str, set[str]]) -> None:
         self.step, self.spec, self.applied = step, spec, applied
         self.depth = 0
         self.prev: dict[Any, tuple] = {}
         self.taken = 0
-        self.calls = (-1, 0)  # (step, functional loss calls in it so far)
+        self.calls: dict[Any, int] = {}  # calls so far in the current step, by key
+        self.at = -1  # the step ``calls`` counts
 
     def now(self) -> int:
         hunt = capture._ACTIVE
@@ -240,32 +249,44 @@ class _SkipBatch:
         # optimizer steps taken so far
         return hunt.step if hunt is not None else self.taken
 
+    def key(self, kind: Any) -> tuple[Any, int, int]:
+        """``kind`` numbered by its calls in the current step."""
+        step = self.now()
+        if step != self.at:
+            self.at, self.calls = step, {}
+            if step > self.step:
+                self.prev.clear()  # done: nothing of the batch is held after its step
+        n = self.calls.get(kind, 0)
+        self.calls[kind] = n + 1
+        return step, kind, n
+
     def optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.taken += 1
 
     def pre(self, module: nn.Module, args: tuple) -> Any:
         outermost = self.depth == 0
         self.depth += 1
-        if not outermost or torch.compiler.is_compiling():
+        # (a checkpointed block's forward run again in the backward is no call of the step)
+        if not outermost or torch.compiler.is_compiling() or _in_backward():
             return None
-        new = self.change(id(module), args)
+        step, kind, n = self.key(id(module))
+        new = self.change(step, (kind, n), args)
         if new is not None:
             self.applied[self.spec].add(type(module).__name__)
         return new
 
-    def change(self, key: Any, args: tuple) -> tuple | None:
+    def change(self, step: int, key: Any, args: tuple) -> tuple | None:
         """``args`` as step ``step`` should see them, or None to leave them."""
-        step = self.now()
         if step == self.step:
             old = self.prev.get(key)
-            if old is not None and len(old) == len(args):
-                return tuple(o if o is not None else a for o, a in zip(old, args))
-            return None
+            if old is None or len(old) != len(args):
+                return None
+            new = tuple(o if o is not None and _data(a) else a for o, a in zip(old, args))
+            return new if any(x is not a for x, a in zip(new, args)) else None
         if step == self.step - 1 and key not in self.prev:
-            # every tensor: the features and what goes with them (a padding mask, token ids,
-            # lengths), or a batch half replaced still carries what failed
-            self.prev[key] = tuple(
-                a.detach().clone() if isinstance(a, torch.Tensor) else None for a in args)
+            # every data tensor: the features and what goes with them (a padding mask, token
+            # ids, lengths), or a batch half replaced still carries what failed
+            self.prev[key] = tuple(a.detach().clone() if _data(a) else None for a in args)
         return None
 
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -275,17 +296,15 @@ class _SkipBatch:
         """``torch.nn.functional.<name>`` with its target changed where :meth:`change` says,
         when called outside every module (a loss module's call was changed already)."""
         def call(*args: Any, **kwargs: Any) -> Any:
-            if self.depth or torch.compiler.is_compiling():
+            if self.depth or torch.compiler.is_compiling() or _in_backward():
                 return original(*args, **kwargs)
-            step = self.now()
-            n = self.calls[1] if self.calls[0] == step else 0
-            self.calls = (step, n + 1)
             where = "target" if "target" in kwargs else 1 if len(args) > 1 else None
             if where is None:
                 return original(*args, **kwargs)
             target = kwargs["target"] if where == "target" else args[1]
-            new = self.change(("loss", name, n), (target,))
-            if new is not None and isinstance(new[0], torch.Tensor):
+            step, kind, n = self.key(("loss", name))
+            new = self.change(step, (kind, n), (target,))
+            if new is not None and new[0] is not target:
                 self.applied[self.spec].add(name)
                 if where == "target":
                     kwargs = {**kwargs, "target": new[0]}
@@ -298,26 +317,30 @@ class _SkipBatch:
 
 class _SkipSamples(_SkipBatch):
     """Step ``step``'s outermost module calls, and the functional losses called outside every
-    module, get their batch rows ``rows`` replaced by the batch's first other row, in every
-    tensor argument with more rows than the largest of them (the features and what goes with
-    them: targets, masks, token ids, lengths)."""
+    module, get their batch rows ``rows`` replaced by the batch's first other row, in every data
+    tensor (no autograd history) with the batch's size as its first dimension: the size of the
+    first such tensor of the step (the features and what goes with them: targets, masks, token
+    ids, lengths; not a causal mask or a position table, whose first dimension is the
+    sequence's)."""
 
     def __init__(self, step: int, rows: list[int], spec: str,
                  applied: dict[str, set[str]]) -> None:
         super().__init__(step, spec, applied)
         self.rows = rows
+        self.size: int | None = None
 
-    def change(self, key: Any, args: tuple) -> tuple | None:
-        if self.now() != self.step:
+    def change(self, step: int, key: Any, args: tuple) -> tuple | None:
+        if step != self.step:
             return None
         out, changed = [], False
         for a in args:
-            if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] > self.rows[-1]:
+            if _data(a) and a.dim() >= 1:
+                if self.size is None and a.shape[0] > self.rows[-1]:
+                    self.size = int(a.shape[0])
                 good = next((i for i in range(a.shape[0]) if i not in self.rows), None)
-                if good is not None:
+                if a.shape[0] == self.size and good is not None:
                     a = a.clone()  # the script's tensor is left as it was
-                    with torch.no_grad():
-                        a[self.rows] = a[good].clone()
+                    a[self.rows] = a[good].clone()
                     changed = True
             out.append(a)
         return tuple(out) if changed else None

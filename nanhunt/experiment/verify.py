@@ -33,10 +33,12 @@ from nanhunt._waiting import PollWait
 from nanhunt.analyse.remedies import cure_rank, ladder, set_fix, verify_order
 from nanhunt.experiment.ladder import (
     Rung,
+    batch_runs,
     blew_up,
     classify,
     control_facts,
     cured,
+    cured_batch,
     divergence_batch_rungs,
     excuse_cycles,
     failure_step,
@@ -458,11 +460,11 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         _label_untried(trace, v.note)
         return
     if trace.run.status == "interrupted":
-        v.note = "not re-run: the run was interrupted (Ctrl-C)"
+        why = "terminated (SIGTERM)" if trace.run.error == "SIGTERM" else "interrupted (Ctrl-C)"
+        v.note = f"not re-run: the run was {why}"
         ex.source = "rules"
-        ex.note = ("the run was interrupted (Ctrl-C): no experiment was started; the verdict is "
-                   "the rules' alone")
-        _label_untried(trace, "not verified: the run was interrupted (Ctrl-C)")
+        ex.note = f"the run was {why}: no experiment was started; the verdict is the rules' alone"
+        _label_untried(trace, f"not verified: the run was {why}")
         return
     if cfg.tries <= 0:
         v.note = "re-run verification is off (--verify 0)"
@@ -655,13 +657,17 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                     pool.run([rung_task(r) for r in divergence_batch_rungs(ex)], not_run)
                     for e in ex.runs:
                         excuse_cycles(e, trace)
-                    batch = next((e for e in ex.runs if e.rung == "skip-batch" and
-                                  _learned_cleanly(e)), None)
+                    batch = cured_batch(ex, check=_learned_cleanly)
                     if batch is not None:
                         _batch_rung_recommendation(trace, ex, batch, finding)
                     else:
-                        tried = [e for e in ex.runs if e.rung == "skip-batch"]
-                        if tried:
+                        tried = batch_runs(ex)
+                        if tried and all(_learned_cleanly(e) for e in tried):
+                            ex.verdict_text += "; replacing " + " or ".join(
+                                f"step {_value_of(e)}'s batch" for e in tried) + \
+                                " each removes it: the run is sensitive to its data, no one " \
+                                "batch is bad"
+                        elif tried:
                             ex.verdict_text += "; replacing " + " or ".join(
                                 f"step {_value_of(e)}'s batch" for e in tried) + \
                                 " does not remove it (" + "; ".join(
@@ -985,14 +991,13 @@ def _adopt_batch_rung(trace: Trace, ex: Experiments) -> Recommendation | None:
     nor replacing the batch's named samples did, the data fix is that batch skipped: the rules'
     fix_data of that step takes the rung's spec, or a recommendation is made from the rung; the
     candidates loop then reads the rung's re-run as its try."""
-    if any(cured(e, ex) for e in ex.runs if e.rung in ("fp32", "skip-samples") or
+    # the verdict's precedence (classify): float32, the named samples, the lr, clipping first
+    if any(cured(e, ex) for e in ex.runs if e.rung in ("fp32", "skip-samples", "clip") or
            e.rung.startswith("lr-")):
         return None
-    batches = sorted((e for e in ex.runs if e.rung == "skip-batch" and cured(e, ex)),
-                     key=lambda e: int(_value_of(e)))
-    if not batches:
+    e = cured_batch(ex)  # the earliest, where specific
+    if e is None:
         return None
-    e = batches[0]  # the earliest: replacing it keeps every later step as it was
     step = int(_value_of(e))
     rec = next((r for r in trace.recommendations if r.type == "fix_data" and not r.fix and
                 isinstance(r.value, dict) and r.value.get("step") == step), None)

@@ -75,8 +75,9 @@ def _ex(original: Trace, **outcomes: str) -> Experiments:
     for rung, result in outcomes.items():
         name = {"lr_0_1": "lr-0.1", "no_scaler": "no-scaler", "skip_batch": "skip-batch"}.get(
             rung, rung)
-        ex.runs.append(Experiment(rung=name, outcome=result,
-                                  fixes=["lr-factor=0.1"] if rung == "lr_0_1" else []))
+        fixes = {"lr_0_1": ["lr-factor=0.1"],
+                 "skip_batch": [f"skip-batch={original.first_failure.step}"]}.get(rung, [])
+        ex.runs.append(Experiment(rung=name, outcome=result, fixes=fixes))
     return ex
 
 
@@ -790,3 +791,22 @@ def test_the_batch_rungs_reach_back_to_where_the_loss_blew_up():
     assert divergence_batch_rungs(ex) == []
     control.outcome, control.losses = "diverged", [2.0, 1.5, 1.2, 30.0, 9.0]
     assert [r.fixes[0] for r in divergence_batch_rungs(ex)] == ["skip-batch=3", "skip-batch=2"]
+
+
+def test_a_batch_is_the_cause_only_where_replacing_another_batch_did_not_cure():
+    from nanhunt.experiment.ladder import cured_batch
+
+    t = _original()
+    ex = _ex(t, control="recurred", fp32="recurred")
+    ex.runs += [Experiment(rung="skip-batch", outcome="trained", fixes=["skip-batch=3"],
+                           losses=[1.0, 0.9, 0.8, 0.7], steps=24, target_steps=24),
+                Experiment(rung="skip-batch", outcome="recurred", fixes=["skip-batch=1"])]
+    assert cured_batch(ex) is not None and cured_batch(ex).fixes == ["skip-batch=3"]
+    classify(ex, t)
+    assert ex.verdict == "data" and "replacing step 3's batch removes it" in ex.verdict_text
+    # every replaced batch removes it: a run sensitive to its data, no one batch to blame
+    ex.runs[-1] = Experiment(rung="skip-batch", outcome="trained", fixes=["skip-batch=1"],
+                             losses=[1.0, 0.9, 0.8, 0.7], steps=24, target_steps=24)
+    assert cured_batch(ex) is None
+    classify(ex, t)
+    assert ex.verdict != "data" and "each removes it" in ex.verdict_text

@@ -15,7 +15,8 @@ def _stats() -> TensorStats:
 
 def _sentinel_trace() -> Trace:
     f = Failure(step=3, phase="forward", module="", tensor="loss", stats=_stats(), rank=1,
-                observed=False, detail="step 3 was not replayed: model is sharded")
+                observed=False, detail="step 3 was not replayed: model is sharded by FSDP2: its "
+                "weights are split across the ranks, so one rank cannot replay its step alone")
     return Trace(run=RunInfo(mode="sentinel"), first_failure=f, problem=True)
 
 
@@ -36,6 +37,9 @@ def test_only_an_unreplayed_sentinel_step_is_located():
     assert not needs_locating(t)
     t = _sentinel_trace()
     t.run.mode = "full"
+    assert not needs_locating(t)
+    t = _sentinel_trace()  # a copy refused over the memory cap: not a sharded model
+    t.first_failure.detail = "step 3 was not replayed: the copy needs 5 GiB, over the cap"
     assert not needs_locating(t)
 
 

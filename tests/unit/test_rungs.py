@@ -140,3 +140,42 @@ def test_a_malformed_skip_samples_is_one_line(text):
 
 def test_skip_samples_rows_are_sorted_and_distinct():
     assert str(parse_fix("skip-samples=2: 7,1,7")) == "skip-samples=2:1,7"
+
+
+ACCUMULATE = """
+import sys
+import torch
+from torch import nn
+
+replace = int(sys.argv[1]) if len(sys.argv) > 1 else -1
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+criterion = nn.MSELoss()  # a loss module: called outermost, with the model's output
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+batches = {}
+for step in range(5):
+    opt.zero_grad()
+    for micro in range(2):  # gradient accumulation: two different micro-batches a step
+        g = torch.Generator().manual_seed(10 * step + micro)
+        x, y = torch.randn(3, 4, generator=g), torch.randn(3, 1, generator=g)
+        batches[step, micro] = x, y
+        if step == replace:  # by hand: each micro-batch from the same one of the step before
+            x, y = batches[step - 1, micro]
+        loss = criterion(model(x), y) / 2
+        loss.backward()
+        print(f"step {step} micro {micro} loss {loss.item()!r}")
+    opt.step()
+"""
+
+
+def test_skip_batch_replaces_each_micro_batch_and_a_loss_modules_targets(tmp_path):
+    """Gradient accumulation with a loss module: each micro-batch of step N becomes the same
+    micro-batch of step N-1 (by call order), its targets too at the loss module's call, and the
+    logits the loss module gets stay the model's (with their graph): the script's own path."""
+    script = tmp_path / "accumulate.py"
+    script.write_text(ACCUMULATE)
+
+    def run(args, fixes=()):
+        return [float(line.split()[-1]) for line in run_script(script, args, fixes=fixes)]
+
+    assert run([], fixes=["skip-batch=2"]) == run(["2"]) != run([])
