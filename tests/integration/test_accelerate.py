@@ -15,16 +15,19 @@ pytest.importorskip("accelerate")
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "accelerate_fp16.py"
 
 
-@pytest.fixture(scope="module")
-def runs(cli) -> dict:
+def prefetch(cli) -> dict:
+    """This module's runs, in the session's shared pool (tests/integration/conftest.py; started
+    when collection ends)."""
     return {
         "plain": cli.python(SCRIPT),
         "full": cli.submit("diagnose", "--quiet", SCRIPT),
-        "planted-plain": cli.python(SCRIPT, "--plant", "3"),
         "planted": cli.submit("diagnose", "--quiet", "--verify", "0", SCRIPT, "--plant", "3"),
-        "planted-sentinel": cli.submit("diagnose", "--quiet", "--verify", "0", "--mode",
-                                       "sentinel", SCRIPT, "--plant", "3"),
     }
+
+
+@pytest.fixture(scope="module")
+def runs(cli) -> dict:
+    return prefetch(cli)
 
 
 def test_a_healthy_accelerate_fp16_run_is_unchanged(runs):
@@ -39,14 +42,18 @@ def test_a_healthy_accelerate_fp16_run_is_unchanged(runs):
     assert report["run"]["scaler"] and report["first_failure"] is None
 
 
-@pytest.mark.parametrize("mode", ["planted", "planted-sentinel"])
-def test_an_overflow_under_accelerates_scaler_is_named_at_its_layer(runs, mode):
-    plain = runs["planted-plain"].result().stdout.splitlines()
-    first_nan = next(int(line.split()[1]) for line in plain if line.split()[3] == "nan")
-    assert first_nan == 3
-    res = runs[mode].result()
+@pytest.mark.parametrize("mode", ["full", pytest.param("sentinel", marks=pytest.mark.slow)])
+def test_an_overflow_under_accelerates_scaler_is_named_at_its_layer(runs, cli, mode):
+    plain = runs["plain"].result().stdout.splitlines()
+    res = runs["planted"].result() if mode == "full" else cli.submit(
+        "diagnose", "--quiet", "--verify", "0", "--mode", "sentinel", SCRIPT, "--plant",
+        "3").result()
     assert res.code == 1, res.stderr
-    assert res.stdout.splitlines() == plain[: len(res.stdout.splitlines())]
+    printed = res.stdout.splitlines()
+    # the steps before the planted one print what the healthy script prints (nanhunt stops the
+    # run in the failing step, before its print; a step printed after it is nan)
+    assert len(printed) >= 3 and printed[:3] == plain[:3]
+    assert all(line.split()[3] == "nan" for line in printed[3:])
     f = res.report["first_failure"]
     assert (f["step"], f["phase"], f["module"], f["tensor"]) == (3, "forward", "2", "output")
     assert f["op"] == "aten.addmm" and res.report["diagnosis"]["kind"] == "overflow"

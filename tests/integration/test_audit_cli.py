@@ -46,16 +46,26 @@ def _audit(out: Path, name: str) -> tuple:
     return proc, plain
 
 
+#: cases run with -m slow only, for the suite's time (the default suite keeps the audit CLI on
+#: the MLPs, the two-target option on fourier_mlp, and the healthy run)
+SLOW = {"rope_transformer"}
+
+
+def _case(cli, name: str):
+    return cli.call(("audit-cli", name), lambda out, n=name: (out, *_audit(out, n)))
+
+
 def prefetch(cli) -> dict:
-    """Every case's audit and plain run, in the session's shared pool (tests/integration/
-    conftest.py; started when collection ends); each audit writes into a fresh folder."""
-    return {name: cli.call(("audit-cli", name), lambda out, n=name: (out, *_audit(out, n)))
-            for name in sorted(CASES)}
+    """Every default case's audit and plain run, in the session's shared pool (tests/
+    integration/conftest.py; started when collection ends); each audit writes into a fresh
+    folder."""
+    return {name: _case(cli, name) for name in sorted(CASES) if name not in SLOW}
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=[
+    pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(CASES)])
 def audited(request, cli):
-    out, proc, plain = prefetch(cli)[request.param].result()
+    out, proc, plain = _case(cli, request.param).result()
     report = json.loads((out / "report.json").read_text())
     return request.param, CASES[request.param][2], proc, plain, report, out
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from clirun import run_python
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
 
 
+@pytest.mark.slow  # (about 15 s of the default suite's time: run with -m slow)
 def test_overhead_quick_writes_every_variant(tmp_path):
     out = tmp_path / "overhead.json"
     proc = run_python(SCRIPT, "--quick", "--models", "mlp", "--precisions", "fp32", "--steps",

@@ -62,3 +62,24 @@ def test_a_rerun_that_fails_elsewhere_leaves_the_origin_unobserved_and_says_so()
     adopt_located(t, found, "exit status 0", 2)
     assert t.first_failure.module == "blocks.1" and t.diagnosis.kind == "overflow"
     assert "located by a full-tracing re-run of steps 0-3" in t.first_failure.detail
+
+
+def test_the_locating_rerun_is_sandboxed_but_analysed_in_full(tmp_path, monkeypatch):
+    """NANHUNT_LOCATING=1 beside NANHUNT_RERUN=1: torch.save goes to the scratch folder, as in a
+    verification re-run, but the run is not judged as one (its replay and every report form)."""
+    import torch
+
+    from nanhunt.experiment.fixes import RunFixes
+
+    monkeypatch.setenv("NANHUNT_RERUN", "1")
+    monkeypatch.setenv("NANHUNT_LOCATING", "1")
+    monkeypatch.setenv("NANHUNT_SCRATCH", str(tmp_path / "scratch"))
+    fixes = RunFixes([])
+    assert fixes.rerun is False
+    fixes.install()
+    try:
+        torch.save({"w": torch.ones(2)}, tmp_path / "ckpt.pt")
+    finally:
+        fixes.uninstall()
+    assert not (tmp_path / "ckpt.pt").exists()
+    assert list((tmp_path / "scratch").rglob("ckpt.pt"))
