@@ -45,9 +45,9 @@ __all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "batch_rungs", "batch_runs", "c
            "contradiction", "cured_batch", "divergence_batch_rungs", "drop", "excuse_cycles",
            "failure_step", "first_rungs", "half_optimizer", "horizon", "learning", "lines_runs",
            "loss_gap", "loss_span", "measured_clip", "measured_growth_interval",
-           "measured_init_scale", "next_rungs", "outcome", "same_problem", "samples_rung",
-           "silent_candidate", "silent_verdict", "source_ranges", "source_rungs", "suspect_rungs",
-           "uses_low_precision", "warmup_verdict"]
+           "measured_init_scale", "next_rungs", "outcome", "rung_value", "same_problem",
+           "samples_rung", "silent_candidate", "silent_verdict", "source_ranges", "source_rungs",
+           "suspect_rungs", "uses_low_precision", "warmup_verdict"]
 
 BLOWUP = 10.0  # a loss this many times its first value is not training
 CALIBRATION_SKIPS = 4  # GradScaler's first skips while it finds its scale
@@ -342,7 +342,7 @@ def divergence_batch_rungs(ex: Experiments) -> list[Rung]:
 def batch_runs(ex: Experiments) -> list[Experiment]:
     """The batch rungs that ran, by step."""
     return sorted((e for e in ex.runs if e.rung == "skip-batch" and e.outcome != "not run"
-                   and e.fixes), key=lambda e: int(_value(e)))
+                   and e.fixes), key=lambda e: int(rung_value(e)))
 
 
 def cured_batch(ex: Experiments, *, check: Any = None) -> Experiment | None:
@@ -567,7 +567,8 @@ _NAMES = {
 }
 
 
-def _value(e: Experiment) -> str:
+def rung_value(e: Experiment) -> str:
+    """What a rung's one fix was set to (``lr-factor=0.1`` -> ``"0.1"``), or ""."""
     return e.fixes[0].split("=", 1)[1] if e.fixes and "=" in e.fixes[0] else ""
 
 
@@ -684,11 +685,11 @@ def classify(ex: Experiments, trace: Trace) -> None:
             verdict, mid = "loss-scaling", "disabling GradScaler does too"
         elif cured(scale, ex):
             verdict = "loss-scaling"
-            mid = (f"GradScaler from init_scale {_value(scale)} (the gradients' exponents) "
+            mid = (f"GradScaler from init_scale {rung_value(scale)} (the gradients' exponents) "
                    "does too")
         elif cured(growth, ex):
             verdict = "loss-scaling"
-            mid = (f"GradScaler growing every {_value(growth)} steps (to the scale the "
+            mid = (f"GradScaler growing every {rung_value(growth)} steps (to the scale the "
                    "gradients' exponents call for) does too")
         elif cured(bf16, ex):
             verdict, mid = "precision-range", "bfloat16 does too"
@@ -745,34 +746,34 @@ def classify(ex: Experiments, trace: Trace) -> None:
             # the narrowest change that removes it: the named samples alone (checked first: a
             # lower lr that only survives the bad rows is no cure of the data)
             verdict = "data"
-            step_of = _value(sample).split(":")[0]
+            step_of = rung_value(sample).split(":")[0]
             name = f"a data failure ({_samples_text(sample)} of step {step_of}'s batch)"
             said.append(f"replacing {_samples_text(sample)} of the failing batch removes it")
         elif lr is not None:
             verdict = "optimisation"
-            said.append(f"a learning rate x{_value(lr)} removes it")
+            said.append(f"a learning rate x{rung_value(lr)} removes it")
         elif cured(clip, ex):
             verdict = "optimisation"
             name = "an optimisation failure (the gradient norm)"
-            said.append(f"clipping the gradient norm at {_value(clip)} removes it")
+            said.append(f"clipping the gradient norm at {rung_value(clip)} removes it")
         elif skip is not None:
             verdict = "data"
-            name = f"a data failure (the batch of step {_value(skip)})"
-            said.append(f"replacing step {_value(skip)}'s batch removes it")
+            name = f"a data failure (the batch of step {rung_value(skip)})"
+            said.append(f"replacing step {rung_value(skip)}'s batch removes it")
         else:
             verdict = "not-precision"
             if lrs:
-                said.append("a learning rate " + " or ".join(f"x{_value(e)}" for e in lrs)
+                said.append("a learning rate " + " or ".join(f"x{rung_value(e)}" for e in lrs)
                             + " does not (" + ", ".join(_how(e, ex) for e in lrs) + ")")
             if clip is not None:
-                said.append(f"clipping at {_value(clip)} does not ({_how(clip, ex)})")
+                said.append(f"clipping at {rung_value(clip)} does not ({_how(clip, ex)})")
+            batches = " or ".join(f"step {rung_value(e)}'s batch" for e in skips)
             if skips and all(cured(e, ex) for e in skips) and len(skips) > 1:
-                said.append("replacing " + " or ".join(f"step {_value(e)}'s batch" for e in skips)
-                            + " each removes it: the run is sensitive to its data, no one batch "
-                            "is bad")
+                said.append(f"replacing {batches} each removes it: the run is sensitive to its "
+                            "data, no one batch is bad")
             elif skips:
-                said.append("replacing " + " or ".join(f"step {_value(e)}'s batch" for e in skips)
-                            + " does not (" + ", ".join(_how(e, ex) for e in skips) + ")")
+                said.append(f"replacing {batches} does not ("
+                            + ", ".join(_how(e, ex) for e in skips) + ")")
             if sample is not None:
                 said.append(f"replacing {_samples_text(sample)} does not ({_how(sample, ex)})")
             if fp32 is None:
@@ -808,13 +809,13 @@ def contradiction(ex: Experiments, trace: Trace) -> str:
                 "precision failure, the experiments win")
     if kind == "lr_too_high" and lrs and all(e.outcome in same for e in lrs):
         return (f"the rules called it {said}, but a learning rate "
-                + " and ".join(f"x{_value(e)}" for e in lrs) + " fail the same way ("
+                + " and ".join(f"x{rung_value(e)}" for e in lrs) + " fail the same way ("
                 + ", ".join(e.outcome for e in lrs) + "): not the learning rate, the "
                 "experiments win")
     if kind == "exploding_gradient" and clip is not None and clip.outcome in same and \
             all(e.outcome in same for e in lrs):
-        return (f"the rules called it {said}, but clipping the gradient norm at {_value(clip)}"
-                + (" and a learning rate " + " and ".join(f"x{_value(e)}" for e in lrs)
+        return (f"the rules called it {said}, but clipping the gradient norm at {rung_value(clip)}"
+                + (" and a learning rate " + " and ".join(f"x{rung_value(e)}" for e in lrs)
                    if lrs else "") + " fail the same way: not the gradient's growth, the "
                 "experiments win")
     return ""
@@ -869,7 +870,7 @@ def warmup_verdict(ex: Experiments, trace: Trace) -> Finding | None:
     window = warm.losses[max(0, n - 5):n]
     end = sum(v for v in window if v is not None) / len(window)
     gain = start - end
-    k = _value(warm)
+    k = rung_value(warm)
     where = f"over steps {max(0, n - 5)}-{n - 1}"
     said = (f"with a linear warm-up over {k} steps (--fix {warm.fixes[0]}) the mean loss {where} "
             f"is {end:.4g}; this run's control {end + diff:.4g}")

@@ -50,6 +50,7 @@ from nanhunt.experiment.ladder import (
     loss_span,
     next_rungs,
     outcome,
+    rung_value,
     same_problem,
     silent_candidate,
     silent_verdict,
@@ -664,12 +665,12 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                         tried = batch_runs(ex)
                         if tried and all(_learned_cleanly(e) for e in tried):
                             ex.verdict_text += "; replacing " + " or ".join(
-                                f"step {_value_of(e)}'s batch" for e in tried) + \
+                                f"step {rung_value(e)}'s batch" for e in tried) + \
                                 " each removes it: the run is sensitive to its data, no one " \
                                 "batch is bad"
                         elif tried:
                             ex.verdict_text += "; replacing " + " or ".join(
-                                f"step {_value_of(e)}'s batch" for e in tried) + \
+                                f"step {rung_value(e)}'s batch" for e in tried) + \
                                 " does not remove it (" + "; ".join(
                                     f"{e.outcome}: {e.detail}" for e in tried) + ")"
         elif ex.control_reproduced:
@@ -959,16 +960,12 @@ def _lr_rung_recommendation(trace: Trace, ex: Experiments, e: Experiment,
                          f"the control, unfixed, diverged again ({control.detail})")
 
 
-def _value_of(e: Experiment) -> str:
-    return e.fixes[0].split("=", 1)[1] if e.fixes and "=" in e.fixes[0] else ""
-
-
 def _batch_rung_recommendation(trace: Trace, ex: Experiments, e: Experiment,
                                finding: Finding | None) -> None:
     """One batch where the run diverged with nothing non-finite and no learning rate tamed it,
     but replacing that batch (by the one before) trains and learns: a data failure, its fix
     that rung's."""
-    step = int(_value_of(e))
+    step = int(rung_value(e))
     control = next(x for x in ex.runs if x.rung == "control")
     said = (f"with step {step}'s batch replaced by step {step - 1}'s the re-run trains and "
             f"learns ({e.detail}) where the control diverged again ({control.detail})")
@@ -998,7 +995,7 @@ def _adopt_batch_rung(trace: Trace, ex: Experiments) -> Recommendation | None:
     e = cured_batch(ex)  # the earliest, where specific
     if e is None:
         return None
-    step = int(_value_of(e))
+    step = int(rung_value(e))
     rec = next((r for r in trace.recommendations if r.type == "fix_data" and not r.fix and
                 isinstance(r.value, dict) and r.value.get("step") == step), None)
     if rec is None:
