@@ -91,9 +91,25 @@ def reference(arch: str, plant: str, scaled: bool):
     return hunt, trace
 
 
-@pytest.mark.parametrize("scaled", [False, True], ids=["no-scaler", "gradscaler"])
-@pytest.mark.parametrize("plant", ["forward", "backward", "batch", "optimizer"])
-@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+PLANTS = ["forward", "backward", "batch", "optimizer"]
+
+
+def _late_cases() -> list:
+    """Every (architecture, plant, scaler) case; the default suite runs half, pairwise: each
+    architecture with every plant, each plant with and without GradScaler (the rest: -m
+    slow)."""
+    cases = []
+    for arch in ("mlp", "cnn"):
+        for i, plant in enumerate(PLANTS):
+            for scaled in (False, True):
+                default = scaled == ((i + (arch == "cnn")) % 2 == 1)
+                name = f"{arch}-{plant}-{'gradscaler' if scaled else 'no-scaler'}"
+                cases.append(pytest.param(arch, plant, scaled, id=name,
+                                          marks=() if default else pytest.mark.slow))
+    return cases
+
+
+@pytest.mark.parametrize(("arch", "plant", "scaled"), _late_cases())
 def test_late_failure_is_diagnosed_like_full_tracing(arch, plant, scaled, tmp_path):
     hunt, ref = reference(arch, plant, scaled)
     assert hunt.first_failure is not None and hunt.first_failure.step == AT  # the plant works
