@@ -59,6 +59,15 @@ _POLL = 0.05
 _LAUNCHER_ENV = "NANHUNT_LAUNCHER"  # set for the workers of `nanhunt diagnose --nproc-per-node`
 
 
+def launcher_continues(trace: Trace, *, verify: bool) -> bool:
+    """Whether ``nanhunt diagnose --nproc-per-node`` goes on with the merged report after the
+    job: it locates a step the sentinel could not replay, and (``verify``: --verify above 0)
+    runs the experiments, each a re-run of the job under torchrun."""
+    from nanhunt.experiment.ladder import silent_candidate
+
+    return needs_locating(trace) or (verify and (trace.problem or silent_candidate(trace)))
+
+
 def needs_locating(trace: Trace) -> bool:
     """A sentinel run whose failing step no rank could replay because its model's weights are
     split across the ranks (its origin not observed; not a copy over the memory cap): under
@@ -441,10 +450,10 @@ class RankContext:
     def distributed(self) -> bool:
         return self.world_size > 1 or self.workers is not None
 
-    def leaves_summary_to_launcher(self, trace: Trace) -> bool:
-        """Under ``nanhunt diagnose --nproc-per-node``, a merged report whose failing step the
-        launcher will locate by a re-run: it prints the summary after that, not rank 0."""
-        return bool(os.environ.get(_LAUNCHER_ENV)) and needs_locating(trace)
+    def leaves_summary_to_launcher(self, trace: Trace, *, verify: bool) -> bool:
+        """Under ``nanhunt diagnose --nproc-per-node``, a merged report the launcher goes on
+        with (:func:`launcher_continues`): it prints the summary after that, not rank 0."""
+        return bool(os.environ.get(_LAUNCHER_ENV)) and launcher_continues(trace, verify=verify)
 
     @property
     def writes_report(self) -> bool:

@@ -147,7 +147,11 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
             return trace
     if amend is not None:
         _guard(trace, "adding the precision audit", amend, trace)
-    if rerun is not None and not (ctrl_c is not None and ctrl_c.pressed):
+    # under nanhunt diagnose --nproc-per-node, the launcher may go on (a locating re-run, the
+    # experiments as torchrun re-runs): it prints the summary then, not rank 0
+    launcher = distributed and ctx.leaves_summary_to_launcher(
+        trace, verify=rerun is not None and rerun.tries > 0)
+    if rerun is not None and not launcher and not (ctrl_c is not None and ctrl_c.pressed):
         from nanhunt.experiment.verify import verify_by_rerun
 
         if ctrl_c is not None:
@@ -158,8 +162,8 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
             if ctrl_c is not None:
                 ctrl_c.raising = False
     paths = _write(trace, out_dir, write_reports, ("json",) if run.rerun else None)
-    if distributed and not quiet and ctx.leaves_summary_to_launcher(trace):
-        quiet = True  # the launcher locates the step by a re-run, then prints the summary
+    if launcher:
+        quiet = True
     if not quiet:
         from rich.console import Console
 

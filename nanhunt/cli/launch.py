@@ -18,9 +18,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from nanhunt.cli.args import diagnose_parser, split_argv
-from nanhunt.distributed import _LAUNCHER_ENV, merge_rank_files, needs_locating
+from nanhunt.distributed import (
+    _LAUNCHER_ENV,
+    launcher_continues,
+    merge_rank_files,
+    needs_locating,
+)
 from nanhunt.errors import EXIT_INTERRUPTED, EXIT_PROBLEM, EXIT_SCRIPT_FAILED, NanhuntError
 from nanhunt.trace import Trace
 
@@ -99,20 +105,24 @@ def launch(nproc: int, argv: list[str]) -> int:
             return EXIT_INTERRUPTED if interrupted else (rc or EXIT_SCRIPT_FAILED)
         trace.notes.append("rank 0 wrote no merged report; the launcher merged the rank files")
         rewrite = True
-    if needs_locating(trace):
+    job_seconds = time.time() - started
+    if launcher_continues(trace, verify=opts.verify > 0):
         # rank 0 left the summary to this process: it is printed once, below, whatever happens
         rewrite = True
         try:
-            if interrupted:
-                trace.notes.append("the sentinel could not replay the failing step; the run was "
-                                   "interrupted, so no locating re-run was started")
-            else:
-                locate(trace, nproc, argv, out_dir)
+            if needs_locating(trace):
+                if interrupted:
+                    trace.notes.append("the sentinel could not replay the failing step; the run "
+                                       "was interrupted, so no locating re-run was started")
+                else:
+                    locate(trace, nproc, argv, out_dir)
+            if opts.verify > 0 and not interrupted:
+                _experiments(trace, nproc, argv, opts, out_dir, job_seconds)
         except KeyboardInterrupt:
             interrupted = True
-            trace.notes.append("the locating re-run was interrupted (Ctrl-C)")
-        except Exception as exc:  # the sentinel's report stands
-            trace.notes.append(f"the locating re-run failed ({type(exc).__name__}: {exc})")
+            trace.notes.append("the re-runs after the job were interrupted (Ctrl-C)")
+        except Exception as exc:  # the job's own report stands
+            trace.notes.append(f"the re-runs after the job failed ({type(exc).__name__}: {exc})")
     if rewrite:
         _write_fallback(trace, out_dir, quiet=opts.quiet, show_all=opts.show_all)
     if trace.problem or (opts.strict and trace.warnings):
@@ -168,6 +178,23 @@ def _locate_argv(argv: list[str], out: Path, step: int) -> list[str]:
              "--quiet"]
     where = ["-m", module] if module else ["--", script] if script else []
     return kept + where + rest
+
+
+def _experiments(trace: Trace, nproc: int, argv: list[str], opts: Any, out_dir: Path,
+                 job_seconds: float) -> None:
+    """The experiment ladder and the fix search for a torchrun job: each re-run is the job
+    again under torchrun (:class:`~nanhunt.experiment.verify.RerunConfig` ``nproc``), one at a
+    time, as a single-process run's are (:func:`nanhunt.experiment.verify.verify_by_rerun`)."""
+    from nanhunt.cli.main import _rerun_options
+    from nanhunt.experiment.verify import RerunConfig, verify_by_rerun
+
+    _ours, script, module, args = split_argv(argv)
+    cfg = RerunConfig(script=script, module=module, args=list(args), cwd=os.getcwd(),
+                      env={**os.environ, _LAUNCHER_ENV: "1"}, tries=opts.verify,
+                      max_steps=opts.max_steps, options=_rerun_options(opts), quiet=opts.quiet,
+                      jobs=1, budget=opts.budget, script_seconds=round(job_seconds, 2),
+                      nproc=nproc)
+    verify_by_rerun(trace, cfg, out_dir)
 
 
 def locate(trace: Trace, nproc: int, argv: list[str], out_dir: Path) -> None:

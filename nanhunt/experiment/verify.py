@@ -101,6 +101,10 @@ class RerunConfig:
     #: fork servers made before the script started (nanhunt.cli.serving.Zygote), taken
     #: one per slot; a slot without one starts ``python -m nanhunt.cli.forkserver``
     servers: list[Any] = field(default_factory=list)
+    #: a torchrun job's processes per node: each re-run is the same job under
+    #: ``torch.distributed.run --standalone`` (``nanhunt diagnose --nproc-per-node``), one at
+    #: a time, with no fork server
+    nproc: int | None = None
 
 
 def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code: int,
@@ -218,7 +222,10 @@ class _Progress:
 
 
 def _child_command(cfg: RerunConfig, fixes: list[str], out: Path, steps: int) -> list[str]:
-    cmd = [sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--verify", "0",
+    launcher = [sys.executable, "-m", "nanhunt"] if not cfg.nproc else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={cfg.nproc}", "-m", "nanhunt"]
+    cmd = [*launcher, "diagnose", "--quiet", "--verify", "0",
            "--out", str(out), "--max-steps", str(steps), *cfg.options]
     for fix in fixes:
         cmd += ["--fix", fix]
@@ -342,7 +349,9 @@ class _Pool:
         self.startup = 0.0
         self.durations: list[float] = []
 
-    def _server(self, slot: int) -> _Server:
+    def _server(self, slot: int) -> _Server | None:
+        if self.cfg.nproc:
+            return None  # a torchrun job: a fresh launcher per re-run
         server = self.servers[slot]
         if server is None:
             server = self.servers[slot] = _Server(self.cfg)
@@ -448,16 +457,18 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
     control, the ladder's rungs, then each candidate fix (narrowest first)."""
     v = trace.verification = Verification(tries_allowed=cfg.tries,
                                           script_seconds=cfg.script_seconds)
-    jobs = cfg.jobs or default_jobs()
+    # a torchrun job's re-runs take its processes each: one at a time
+    jobs = 1 if cfg.nproc else cfg.jobs or default_jobs()
     ex = trace.experiments = Experiments(jobs=jobs)
     for rec in trace.recommendations:
         rec.verified = False
-    if trace.run.world_size > 1:
-        v.note = (f"re-run verification is single-process for now: not run for this "
-                  f"{trace.run.world_size}-process run")
-        ex.source, ex.note = "rules", (f"no experiment can run for a "
-                                       f"{trace.run.world_size}-process (torchrun) job: the "
-                                       "verdict is the rules' alone")
+    if trace.run.world_size > 1 and cfg.nproc != trace.run.world_size:
+        v.note = (f"not re-run: this {trace.run.world_size}-process job was not started by "
+                  "nanhunt (experiments run for torchrun jobs under nanhunt diagnose "
+                  "--nproc-per-node N, which re-runs the job)")
+        ex.source, ex.note = "rules", (f"no experiment ran for this {trace.run.world_size}-"
+                                       "process job (torchrun -m nanhunt, or workers the "
+                                       "script starts): the verdict is the rules' alone")
         _label_untried(trace, v.note)
         return
     if trace.run.status == "interrupted":
@@ -552,7 +563,7 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         if rung.name == "lines" and rung.fixes:  # which lines: two run at once
             label = "lines " + rung.fixes[0].rpartition(":")[2]
         task = _Task(label, list(rung.fixes), scratch / folder, done)
-        if rung.name == "control" and ex.failure_step is not None:
+        if rung.name == "control" and ex.failure_step is not None and not cfg.nproc:
             # the control's failing step watched op by op: the op and line of a failure
             # outside every module (a hand-written loss), which no module replay can name
             task.env["NANHUNT_LOCATE_STEP"] = str(ex.failure_step)

@@ -414,9 +414,9 @@ def prefetch(cli) -> dict:
                             lambda cwd: (cwd, _run(_ddp_nan_batch(_torchrun), cwd))),
             "fsdp2-sentinel": cli.call(("torchrun", "fsdp2", "sentinel"),
                                        lambda cwd: (cwd, _run(_nanhunt(
-                                           "--mode", "sentinel", "--out", "out",
-                                           str(SCRIPTS / "fsdp2_overflow.py"), "--plant"),
-                                           cwd)))}
+                                           "--mode", "sentinel", "--verify", "0", "--out",
+                                           "out", str(SCRIPTS / "fsdp2_overflow.py"),
+                                           "--plant"), cwd)))}
 
 
 # one torchrun job of each kind stays in the default suite (DDP here, FSDP2 below); the rest of
@@ -734,3 +734,27 @@ def test_the_sentinel_on_a_sharded_model_names_the_layer_by_a_locating_rerun(cli
     assert proc.stdout.count("rank 1 step 1 loss") == 1
     assert "rank 1 step 1 loss" in (tmp_path / "out" / "locate" / "output.txt").read_text()
     assert proc.stderr.count("PROBLEM:") == 1 and "re-running steps 0-2" in proc.stderr
+
+
+@pytest.mark.slow  # (seven re-runs of a two-rank job: about a minute on 2 CPUs)
+def test_a_torchrun_job_gets_its_experiments_as_torchrun_reruns(tmp_path):
+    """nanhunt diagnose --nproc-per-node 2 re-runs the job under torchrun for each experiment:
+    a NaN in one sample of rank 1's batch at step 2 recurs in the control, in float32 and at
+    lower learning rates, and goes with that sample replaced; the data fix is verified by that
+    re-run, and the terminal shows one summary, after the experiments."""
+    proc = _run(_nanhunt("--out", "out", str(EXAMPLES / "ddp_nan_batch.py"), "--nan-rank", "1",
+                         "--nan-step", "2"), tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    report = _report(tmp_path / "out")
+    ex = report["experiments"]
+    by = {e["rung"]: e for e in ex["runs"]}
+    assert ex["source"] == "experiments" and ex["control_reproduced"] is True
+    assert by["control"]["outcome"] == by["fp32"]["outcome"] == "recurred"
+    assert by["skip-samples"]["outcome"] == "trained" and ex["verdict"] == "data"
+    rec = next(r for r in report["recommendations"] if r["type"] == "fix_data")
+    assert rec["verified"] and rec["fix"] == [by["skip-samples"]["fixes"][0]]
+    # each experiment was the job under torchrun: its merged report names both ranks
+    control = _report(tmp_path / "out" / by["control"]["report"].rsplit("/", 1)[0])
+    assert control["run"]["world_size"] == 2 and len(control["ranks"]) == 2
+    assert proc.stderr.count("PROBLEM:") == 1
+    assert proc.stderr.index("experiment control") < proc.stderr.index("PROBLEM:")
