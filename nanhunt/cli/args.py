@@ -151,3 +151,14 @@ def split_argv(argv: Sequence[str], value_options: frozenset[str] | set[str] | N
             continue
         return ours, tok, None, list(argv[i + 1:])
     return ours, None, None, []
+
+
+def rerun_options(opts: argparse.Namespace) -> list[str]:
+    """The options a verification re-run keeps from this run (its --fix are added to them)."""
+    out = ["--target", opts.target] if opts.target else []
+    out += ["--keep-steps", str(opts.keep_steps), "--sample-every", str(opts.sample_every)]
+    for pattern in opts.allow_inf:
+        out += ["--allow-inf", pattern]
+    for spec in opts.fix:
+        out += ["--fix", spec]
+    return out

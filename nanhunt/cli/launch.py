@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nanhunt.cli.args import diagnose_parser, split_argv
+from nanhunt.cli.args import diagnose_parser, rerun_options, split_argv
 from nanhunt.distributed import (
     _LAUNCHER_ENV,
     launcher_continues,
@@ -185,13 +185,12 @@ def _experiments(trace: Trace, nproc: int, argv: list[str], opts: Any, out_dir: 
     """The experiment ladder and the fix search for a torchrun job: each re-run is the job
     again under torchrun (:class:`~nanhunt.experiment.verify.RerunConfig` ``nproc``), one at a
     time, as a single-process run's are (:func:`nanhunt.experiment.verify.verify_by_rerun`)."""
-    from nanhunt.cli.main import _rerun_options
     from nanhunt.experiment.verify import RerunConfig, verify_by_rerun
 
     _ours, script, module, args = split_argv(argv)
     cfg = RerunConfig(script=script, module=module, args=list(args), cwd=os.getcwd(),
                       env={**os.environ, _LAUNCHER_ENV: "1"}, tries=opts.verify,
-                      max_steps=opts.max_steps, options=_rerun_options(opts), quiet=opts.quiet,
+                      max_steps=opts.max_steps, options=rerun_options(opts), quiet=opts.quiet,
                       jobs=1, budget=opts.budget, script_seconds=round(job_seconds, 2),
                       nproc=nproc)
     verify_by_rerun(trace, cfg, out_dir)

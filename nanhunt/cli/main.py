@@ -25,6 +25,7 @@ from nanhunt.cli.args import (
     EXIT_USAGE,
     Parser,
     diagnose_parser,
+    rerun_options,
     split_argv,
 )
 from nanhunt.errors import EXIT_INTERNAL, NanhuntError
@@ -251,7 +252,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
     rerun = RerunConfig(
         script=target.script, module=target.module, args=list(target.args), cwd=os.getcwd(),
         env=dict(os.environ), tries=opts.verify, max_steps=opts.max_steps,
-        options=_rerun_options(opts), quiet=opts.quiet, jobs=opts.jobs, budget=opts.budget,
+        options=rerun_options(opts), quiet=opts.quiet, jobs=opts.jobs, budget=opts.budget,
         script_seconds=round(failed_at[0] if failed_at else time.monotonic() - _STARTED, 2),
         servers=zygotes)
     try:
@@ -359,17 +360,6 @@ def rerun(argv: list[str]) -> int:
 def _ran_to_end(outcome: Any) -> bool:
     """Whether the script ran to its end (a fix that never applied is then an error)."""
     return outcome is not None and outcome.status in ("complete", "exited")
-
-
-def _rerun_options(opts: argparse.Namespace) -> list[str]:
-    """The options a verification re-run keeps from this run (its --fix are added to them)."""
-    out = ["--target", opts.target] if opts.target else []
-    out += ["--keep-steps", str(opts.keep_steps), "--sample-every", str(opts.sample_every)]
-    for pattern in opts.allow_inf:
-        out += ["--allow-inf", pattern]
-    for spec in opts.fix:
-        out += ["--fix", spec]
-    return out
 
 
 def _main_thread() -> bool:
