@@ -149,8 +149,9 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
         _guard(trace, "adding the precision audit", amend, trace)
     # under nanhunt diagnose --nproc-per-node, the launcher may go on (a locating re-run, the
     # experiments as torchrun re-runs): it prints the summary then, not rank 0
-    launcher = distributed and ctx.leaves_summary_to_launcher(
-        trace, verify=rerun is not None and rerun.tries > 0)
+    launcher = distributed and bool(_guard(
+        trace, "deciding what the launcher does next", ctx.leaves_summary_to_launcher, trace,
+        verify=rerun is not None and rerun.tries > 0))
     if rerun is not None and not launcher and not (ctrl_c is not None and ctrl_c.pressed):
         from nanhunt.experiment.verify import verify_by_rerun
 

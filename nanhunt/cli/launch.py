@@ -106,25 +106,44 @@ def launch(nproc: int, argv: list[str]) -> int:
         trace.notes.append("rank 0 wrote no merged report; the launcher merged the rank files")
         rewrite = True
     job_seconds = time.time() - started
-    if launcher_continues(trace, verify=opts.verify > 0):
+    cut_short = False  # Ctrl-C during the re-runs after the job: exit 130, as a single process
+    # (one process: rank 0 ran its experiments itself, as a single-process run does)
+    if trace.run.world_size > 1 and _guarded(trace, "deciding what follows the job", False,
+                                             launcher_continues, trace,
+                                             verify=opts.verify > 0):
         # rank 0 left the summary to this process: it is printed once, below, whatever happens
         rewrite = True
-        try:
-            if needs_locating(trace):
-                if interrupted:
-                    trace.notes.append("the sentinel could not replay the failing step; the run "
-                                       "was interrupted, so no locating re-run was started")
-                else:
+        if needs_locating(trace):
+            if interrupted:
+                trace.notes.append("the sentinel could not replay the failing step; the run "
+                                   "was interrupted, so no locating re-run was started")
+            else:
+                try:
                     locate(trace, nproc, argv, out_dir)
-            if opts.verify > 0 and not interrupted:
+                except KeyboardInterrupt:
+                    interrupted = cut_short = True
+                    trace.notes.append("the locating re-run was interrupted (Ctrl-C)")
+                except Exception as exc:  # the sentinel's report stands
+                    trace.notes.append(f"the locating re-run failed ({type(exc).__name__}: "
+                                       f"{exc})")
+        if opts.verify > 0 and not interrupted:
+            try:
                 _experiments(trace, nproc, argv, opts, out_dir, job_seconds)
-        except KeyboardInterrupt:
-            interrupted = True
-            trace.notes.append("the re-runs after the job were interrupted (Ctrl-C)")
-        except Exception as exc:  # the job's own report stands
-            trace.notes.append(f"the re-runs after the job failed ({type(exc).__name__}: {exc})")
+            except KeyboardInterrupt:
+                cut_short = True
+            except Exception as exc:  # the job's own report stands
+                trace.notes.append(f"the experiments after the job failed "
+                                   f"({type(exc).__name__}: {exc})")
+            if trace.verification is not None and trace.verification.interrupted:
+                cut_short = True
     if rewrite:
-        _write_fallback(trace, out_dir, quiet=opts.quiet, show_all=opts.show_all)
+        try:
+            _write_fallback(trace, out_dir, quiet=opts.quiet, show_all=opts.show_all)
+        except Exception as exc:  # the merged report.json stands, as rank 0 wrote it
+            print(f"nanhunt: writing the reports failed ({type(exc).__name__}: {exc})",
+                  file=sys.stderr)
+    if cut_short:
+        return EXIT_INTERRUPTED
     if trace.problem or (opts.strict and trace.warnings):
         return EXIT_PROBLEM
     if interrupted or trace.run.status == "interrupted":
@@ -132,6 +151,16 @@ def launch(nproc: int, argv: list[str]) -> int:
     if trace.run.status == "crashed":
         return EXIT_SCRIPT_FAILED
     return rc
+
+
+def _guarded(trace: Trace, what: str, default: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(...)``, or ``default`` with a note where it raised (nanhunt's error, never the
+    report's loss)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        trace.notes.append(f"{what} failed ({type(exc).__name__}: {exc})")
+        return default
 
 
 def _read_report(path: Path, *, newer_than: float) -> Trace | None:

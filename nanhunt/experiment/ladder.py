@@ -340,9 +340,12 @@ def divergence_batch_rungs(ex: Experiments) -> list[Rung]:
 
 
 def batch_runs(ex: Experiments) -> list[Experiment]:
-    """The batch rungs that ran, by step."""
-    return sorted((e for e in ex.runs if e.rung == "skip-batch" and e.outcome != "not run"
-                   and e.fixes), key=lambda e: int(rung_value(e)))
+    """The batch rungs whose re-runs trained or failed, by step."""
+    # (a re-run that crashed or was stopped, a batch rung that replaced nothing among them,
+    # showed nothing about its batch)
+    return sorted((e for e in ex.runs if e.rung == "skip-batch" and e.fixes and
+                   e.outcome in ("trained", "recurred", "moved", "diverged")),
+                  key=lambda e: int(rung_value(e)))
 
 
 def cured_batch(ex: Experiments, *, check: Any = None) -> Experiment | None:

@@ -245,9 +245,16 @@ class _SkipBatch:
 
     def now(self) -> int:
         hunt = capture._ACTIVE
-        # nanhunt's step (it counts the steps GradScaler skips); without a session, the
-        # optimizer steps taken so far
-        return hunt.step if hunt is not None else self.taken
+        if hunt is None:  # without a session, the optimizer steps taken so far
+            return self.taken
+        # nanhunt's step (it counts the steps GradScaler skips); a step whose optimizer ran is
+        # over, though nanhunt ends it only at the next forward (after these hooks: several
+        # optimizers a step, no scaler.update())
+        step = hunt.step
+        if getattr(hunt, "_optimizer_ran_step", None) == step and \
+                not getattr(hunt, "_in_closure", False):
+            step += 1
+        return step
 
     def key(self, kind: Any) -> tuple[Any, int, int]:
         """``kind`` numbered by its calls in the current step."""

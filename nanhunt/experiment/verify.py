@@ -304,11 +304,13 @@ class _Forked(PollWait):
         self.send_signal(signal.SIGKILL)
 
 
-def _stop(proc: Any) -> None:
+def _stop(proc: Any, grace: float = 5.0) -> None:
+    """SIGINT, then SIGKILL after ``grace`` seconds (a torchrun launcher gives its workers 30 s
+    to finish: it gets longer, or they outlive it)."""
     with contextlib.suppress(OSError):
         proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=5)
+        proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -346,6 +348,7 @@ class _Pool:
         self.cfg, self.jobs, self.steps, self.progress = cfg, jobs, steps, progress
         self.deadline = deadline
         self.servers: list[_Server | None] = [None] * jobs
+        self.grace = 40.0 if cfg.nproc else 5.0  # before a stopped re-run is killed
         self.startup = 0.0
         self.durations: list[float] = []
 
@@ -388,7 +391,7 @@ class _Pool:
                     timed_out = False
                     if task.child.poll() is None:
                         if time.monotonic() > task.deadline:
-                            _stop(task.child)
+                            _stop(task.child, self.grace)
                             timed_out = True
                         else:
                             continue
@@ -402,7 +405,7 @@ class _Pool:
                     if task.done(task, code, tail, timed_out, seconds):
                         stopped = True
                         for other in running:  # a fix was verified: the rest are moot
-                            _stop(other.child)
+                            _stop(other.child, self.grace)
                             shutil.rmtree(other.out / "files", ignore_errors=True)
                             not_run(other, "")
                         running = []
@@ -415,7 +418,7 @@ class _Pool:
                     time.sleep(0.05)
         except KeyboardInterrupt:
             for task in running:
-                _stop(task.child)
+                _stop(task.child, self.grace)
                 shutil.rmtree(task.out / "files", ignore_errors=True)
             raise
 
@@ -462,15 +465,6 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
     ex = trace.experiments = Experiments(jobs=jobs)
     for rec in trace.recommendations:
         rec.verified = False
-    if trace.run.world_size > 1 and cfg.nproc != trace.run.world_size:
-        v.note = (f"not re-run: this {trace.run.world_size}-process job was not started by "
-                  "nanhunt (experiments run for torchrun jobs under nanhunt diagnose "
-                  "--nproc-per-node N, which re-runs the job)")
-        ex.source, ex.note = "rules", (f"no experiment ran for this {trace.run.world_size}-"
-                                       "process job (torchrun -m nanhunt, or workers the "
-                                       "script starts): the verdict is the rules' alone")
-        _label_untried(trace, v.note)
-        return
     if trace.run.status == "interrupted":
         why = "terminated (SIGTERM)" if trace.run.error == "SIGTERM" else "interrupted (Ctrl-C)"
         v.note = f"not re-run: the run was {why}"
@@ -488,6 +482,15 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
     if not trace.problem and not silent:
         v.note = "nothing to verify: no problem was found"
         trace.experiments = None
+        return
+    if trace.run.world_size > 1 and cfg.nproc != trace.run.world_size:
+        v.note = (f"not re-run: this {trace.run.world_size}-process job was not started by "
+                  "nanhunt (experiments run for torchrun jobs under nanhunt diagnose "
+                  "--nproc-per-node N, which re-runs the job)")
+        ex.source, ex.note = "rules", (f"no experiment ran for this {trace.run.world_size}-"
+                                       "process job (torchrun -m nanhunt, or workers the "
+                                       "script starts): the verdict is the rules' alone")
+        _label_untried(trace, v.note)
         return
     if trace.run.status == "crashed" and trace.first_failure is None:
         v.note = "the script raised an exception before any value went non-finite: not re-run"
