@@ -278,8 +278,8 @@ class Fixes:
                         f"{spec.patterns[0]!r}")
             if spec.kind in ("skip-batch", "skip-samples") and not self.applied[str(spec)] \
                     and (final or self._step_ends > (spec.value or 0)):
-                return (f"--fix {spec}: nothing was replaced: no module call (with positional "
-                        "tensor arguments) or functional loss outside one got batch tensors "
+                return (f"--fix {spec}: nothing was replaced: no module call or functional "
+                        "loss outside one got batch tensors "
                         f"to replace at step {number(spec.value)}")
         if final and self._optimizer_specs and not self._optimizers:
             return self._no_optimizer()

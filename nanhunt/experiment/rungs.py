@@ -15,8 +15,9 @@ that a re-run with it says what kind of failure this is (DESIGN.md §9, docs/rul
 ``no-scaler``
     GradScaler made with ``enabled=False``.
 ``skip-batch=N``
-    at step N, every outermost module call (the model, a loss module) gets the tensors it was
-    called with at step N-1 instead of step N's (features, masks, token ids alike), and a
+    at step N, every outermost module call (the model, a loss module) gets the data tensors it
+    was called with at step N-1 instead of step N's (features, masks, token ids alike,
+    positional or keyword), and a
     functional loss called outside every module (``F.cross_entropy(logits, y)``) gets step N-1's
     target (by call order in the step): the batch is replaced by the previous one.
 ``skip-samples=N:I,J``
@@ -242,6 +243,13 @@ class _SkipBatch:
         self.taken = 0
         self.calls: dict[Any, int] = {}  # calls so far in the current step, by key
         self.at = -1  # the step ``calls`` counts
+        # keyword arguments (``model(input_ids=..., attention_mask=...)``): a global pre-hook
+        # sees only the positional ones, so each outermost module gets a hook of its own that
+        # sees both, at its first call (a step before any step a rung changes)
+        self.stack: contextlib.ExitStack | None = None
+        self.hooked: set[int] = set()
+        self.hook_ids: set[int] = set()  # left out of a pickle or deep copy of the module
+        self.pending: dict[int, tuple[int, Any]] = {}  # id(module) -> this call's (step, key)
 
     def now(self) -> int:
         hunt = capture._ACTIVE
@@ -280,7 +288,26 @@ class _SkipBatch:
         new = self.change(step, (kind, n), args)
         if new is not None:
             self.applied[self.spec].add(type(module).__name__)
+        self.pending[id(module)] = (step, (kind, n))
+        if id(module) not in self.hooked and self.stack is not None:
+            self.hooked.add(id(module))
+            handle = module.register_forward_pre_hook(self.pre_kwargs, with_kwargs=True)
+            self.hook_ids.add(handle.id)
+            self.stack.callback(handle.remove)
         return new
+
+    def pre_kwargs(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """The keyword tensors of the outermost call :meth:`pre` saw, as ``change`` says."""
+        pending = self.pending.pop(id(module), None)
+        if pending is None or not kwargs:
+            return None
+        step, key = pending
+        names = tuple(sorted(kwargs))
+        new = self.change(step, (*key, "kwargs", names), tuple(kwargs[k] for k in names))
+        if new is None:
+            return None
+        self.applied[self.spec].add(type(module).__name__)
+        return args, {**kwargs, **dict(zip(names, new))}
 
     def change(self, step: int, key: Any, args: tuple) -> tuple | None:
         """``args`` as step ``step`` should see them, or None to leave them."""
@@ -354,6 +381,22 @@ class _SkipSamples(_SkipBatch):
 
 
 def _skip(p: _Patches, skip: _SkipBatch) -> None:
+    skip.stack = p.stack
+
+    def without_ours(original: Any) -> Any:
+        def __getstate__(self: nn.Module) -> Any:  # a pickled model carries no hook of ours
+            state = original(self)
+            if isinstance(state, dict) and skip.hook_ids:
+                for table in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+                    hooks = state.get(table)
+                    if hooks and skip.hook_ids.intersection(hooks):
+                        state[table] = type(hooks)(
+                            (k, v) for k, v in hooks.items() if k not in skip.hook_ids)
+            return state
+
+        return __getstate__
+
+    p.patch(nn.Module, "__getstate__", without_ours)
     p.stack.enter_context(_M.register_module_forward_pre_hook(skip.pre))
     p.stack.enter_context(_M.register_module_forward_hook(skip.post, always_call=True))
     p.stack.enter_context(_O.register_optimizer_step_post_hook(skip.optimizer_step))

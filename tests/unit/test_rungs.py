@@ -179,3 +179,59 @@ def test_skip_batch_replaces_each_micro_batch_and_a_loss_modules_targets(tmp_pat
         return [float(line.split()[-1]) for line in run_script(script, args, fixes=fixes)]
 
     assert run([], fixes=["skip-batch=2"]) == run(["2"]) != run([])
+
+
+KEYWORDS = """
+import io
+import copy
+import sys
+import torch
+from torch import nn
+
+class Pool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.score, self.head = nn.Linear(4, 1), nn.Linear(4, 2)
+    def forward(self, features, mask):  # attention pooling, the padding masked out
+        s = self.score(features).squeeze(-1).masked_fill(mask, -1e4)
+        return self.head((torch.softmax(s, dim=-1).unsqueeze(-1) * features).sum(1))
+
+how = sys.argv[1] if len(sys.argv) > 1 else ""
+torch.manual_seed(0)
+model = Pool()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+prev = None
+for step in range(4):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(3, 5, 4, generator=g), torch.tensor([0, 1, step % 2])
+    mask = torch.arange(5)[None, :] >= torch.tensor([5, 2, 4 - step % 2])[:, None]
+    if step == 2 and how == "batch":  # by hand: the batch of the step before, labels too
+        x, mask, y = prev
+    elif step == 2 and how == "row":  # by hand: row 1 from row 0
+        x, mask, y = x.clone(), mask.clone(), y.clone()
+        x[1], mask[1], y[1] = x[0].clone(), mask[0].clone(), y[0].clone()
+    prev = x, mask, y
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(features=x, mask=mask), y)  # keywords only
+    loss.backward()
+    opt.step()
+    torch.save(model, io.BytesIO())  # the whole model, pickled: no hook of nanhunt's in it
+    assert not copy.deepcopy(model)._forward_pre_hooks
+    print(f"step {step} loss {loss.item()!r}")
+"""
+
+
+@pytest.mark.parametrize(("fix", "by_hand"), [("skip-batch=2", "batch"),
+                                              ("skip-samples=2:1", "row")])
+def test_the_batch_rungs_replace_keyword_tensors_and_stay_out_of_a_pickle(tmp_path, fix,
+                                                                           by_hand):
+    """``model(features=x, mask=m)``: the keyword tensors are replaced as the positional ones
+    are (the script's own replacement by hand), and the model pickles and copies without the
+    rung's hook."""
+    script = tmp_path / "keywords.py"
+    script.write_text(KEYWORDS)
+
+    def run(args, fixes=()):
+        return [float(line.split()[-1]) for line in run_script(script, args, fixes=fixes)]
+
+    assert run([], fixes=[fix]) == run([by_hand]) != run([])
