@@ -106,11 +106,12 @@ def launch(nproc: int, argv: list[str]) -> int:
         trace.notes.append("rank 0 wrote no merged report; the launcher merged the rank files")
         rewrite = True
     job_seconds = time.time() - started
+    from nanhunt.pipeline import _guard  # (torch: only once the job ran)
+
     cut_short = False  # Ctrl-C during the re-runs after the job: exit 130, as a single process
     # (one process: rank 0 ran its experiments itself, as a single-process run does)
-    if trace.run.world_size > 1 and _guarded(trace, "deciding what follows the job", False,
-                                             launcher_continues, trace,
-                                             verify=opts.verify > 0):
+    if trace.run.world_size > 1 and _guard(trace, "deciding what follows the job",
+                                           launcher_continues, trace, verify=opts.verify > 0):
         # rank 0 left the summary to this process: it is printed once, below, whatever happens
         rewrite = True
         if needs_locating(trace):
@@ -151,16 +152,6 @@ def launch(nproc: int, argv: list[str]) -> int:
     if trace.run.status == "crashed":
         return EXIT_SCRIPT_FAILED
     return rc
-
-
-def _guarded(trace: Trace, what: str, default: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn(...)``, or ``default`` with a note where it raised (nanhunt's error, never the
-    report's loss)."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as exc:
-        trace.notes.append(f"{what} failed ({type(exc).__name__}: {exc})")
-        return default
 
 
 def _read_report(path: Path, *, newer_than: float) -> Trace | None:

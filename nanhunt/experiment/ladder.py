@@ -41,10 +41,10 @@ from nanhunt.fixspec import MAX_SAMPLES, number, parse_fix, sample_rows
 from nanhunt.formats import get_format
 from nanhunt.trace import Experiment, Experiments, Finding, StepRecord, Trace
 
-__all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "batch_rungs", "batch_runs", "classify",
-           "contradiction", "cured_batch", "divergence_batch_rungs", "drop", "excuse_cycles",
-           "failure_step", "first_rungs", "half_optimizer", "horizon", "learning", "lines_runs",
-           "loss_gap", "loss_span", "measured_clip", "measured_growth_interval",
+__all__ = ["BLOWUP", "MIN_SILENT_STEPS", "Rung", "batch_rungs", "batch_runs", "batches_said",
+           "classify", "contradiction", "cured_batch", "divergence_batch_rungs", "drop",
+           "excuse_cycles", "failure_step", "first_rungs", "half_optimizer", "horizon", "learning",
+           "lines_runs", "loss_gap", "loss_span", "measured_clip", "measured_growth_interval",
            "measured_init_scale", "next_rungs", "outcome", "rung_value", "same_problem",
            "samples_rung", "silent_candidate", "silent_verdict", "source_ranges", "source_rungs",
            "suspect_rungs", "uses_low_precision", "warmup_verdict"]
@@ -346,6 +346,16 @@ def batch_runs(ex: Experiments) -> list[Experiment]:
     return sorted((e for e in ex.runs if e.rung == "skip-batch" and e.fixes and
                    e.outcome in ("trained", "recurred", "moved", "diverged")),
                   key=lambda e: int(rung_value(e)))
+
+
+def batches_said(runs: list[Experiment], check: Any, how: str) -> str:
+    """What the batch rungs ``runs`` showed where none is the cause (:func:`cured_batch`):
+    each removed it (``check``), or none did (``how``: their outcomes)."""
+    batches = " or ".join(f"step {rung_value(e)}'s batch" for e in runs)
+    if len(runs) > 1 and all(check(e) for e in runs):
+        return f"replacing {batches} each removes it: the run is sensitive to its data, no " \
+            "one batch is bad"
+    return f"replacing {batches} does not ({how})"
 
 
 def cured_batch(ex: Experiments, *, check: Any = None) -> Experiment | None:
@@ -770,13 +780,9 @@ def classify(ex: Experiments, trace: Trace) -> None:
                             + " does not (" + ", ".join(_how(e, ex) for e in lrs) + ")")
             if clip is not None:
                 said.append(f"clipping at {rung_value(clip)} does not ({_how(clip, ex)})")
-            batches = " or ".join(f"step {rung_value(e)}'s batch" for e in skips)
-            if skips and all(cured(e, ex) for e in skips) and len(skips) > 1:
-                said.append(f"replacing {batches} each removes it: the run is sensitive to its "
-                            "data, no one batch is bad")
-            elif skips:
-                said.append(f"replacing {batches} does not ("
-                            + ", ".join(_how(e, ex) for e in skips) + ")")
+            if skips:
+                said.append(batches_said(skips, lambda e: cured(e, ex),
+                                         ", ".join(_how(e, ex) for e in skips)))
             if sample is not None:
                 said.append(f"replacing {_samples_text(sample)} does not ({_how(sample, ex)})")
             if fp32 is None:

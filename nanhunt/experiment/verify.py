@@ -34,6 +34,7 @@ from nanhunt.analyse.remedies import cure_rank, ladder, set_fix, verify_order
 from nanhunt.experiment.ladder import (
     Rung,
     batch_runs,
+    batches_said,
     blew_up,
     classify,
     control_facts,
@@ -677,16 +678,10 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
                         _batch_rung_recommendation(trace, ex, batch, finding)
                     else:
                         tried = batch_runs(ex)
-                        if tried and all(_learned_cleanly(e) for e in tried):
-                            ex.verdict_text += "; replacing " + " or ".join(
-                                f"step {rung_value(e)}'s batch" for e in tried) + \
-                                " each removes it: the run is sensitive to its data, no one " \
-                                "batch is bad"
-                        elif tried:
-                            ex.verdict_text += "; replacing " + " or ".join(
-                                f"step {rung_value(e)}'s batch" for e in tried) + \
-                                " does not remove it (" + "; ".join(
-                                    f"{e.outcome}: {e.detail}" for e in tried) + ")"
+                        if tried:
+                            ex.verdict_text += "; " + batches_said(
+                                tried, _learned_cleanly,
+                                "; ".join(f"{e.outcome}: {e.detail}" for e in tried))
         elif ex.control_reproduced:
             rungs = [rung_task(r) for r in next_rungs(trace, ex)]
             fp32 = next((e for e in ex.runs if e.rung == "fp32"), None)
@@ -974,6 +969,11 @@ def _lr_rung_recommendation(trace: Trace, ex: Experiments, e: Experiment,
                          f"the control, unfixed, diverged again ({control.detail})")
 
 
+#: the advice of a data fix made from a batch rung
+_LOOK_AT_IT = ("look at that batch: an outlier, a corrupt record, values in other units, labels "
+               "out of range; skip or clean it")
+
+
 def _batch_rung_recommendation(trace: Trace, ex: Experiments, e: Experiment,
                                finding: Finding | None) -> None:
     """One batch where the run diverged with nothing non-finite and no learning rate tamed it,
@@ -992,8 +992,7 @@ def _batch_rung_recommendation(trace: Trace, ex: Experiments, e: Experiment,
         finding.evidence.append(said)
     _rung_recommendation(
         trace, ex, e, "fix_data", {"step": step},
-        [said, "look at that batch: an outlier, a corrupt record, labels out of range; "
-         "skip or clean it"],
+        [said, _LOOK_AT_IT],
         f"the control, unfixed, diverged again ({control.detail})")
 
 
@@ -1020,8 +1019,7 @@ def _adopt_batch_rung(trace: Trace, ex: Experiments) -> Recommendation | None:
                       f"trained ({e.detail})"
                       + (f" where the control failed again ({control.detail})"
                          if control is not None else ""),
-                      "look at that batch: an outlier, a corrupt record, values in other "
-                      "units, labels out of range; skip or clean it"],
+                      _LOOK_AT_IT],
             module=None, data={"source": "experiment"})
         trace.recommendations.append(rec)
     set_fix(rec, trace, [parse_fix(e.fixes[0])])
