@@ -68,6 +68,26 @@ def launcher_continues(trace: Trace, *, verify: bool) -> bool:
     return needs_locating(trace) or (verify and (trace.problem or silent_candidate(trace)))
 
 
+#: what torchrun sets for each of its workers: a re-run of the job under a torchrun of its own
+#: must not inherit them (its launcher sets its own, and TORCHELASTIC_ERROR_FILE would make the
+#: re-run's launcher write its errors where the outer job's agent reads rank 0's)
+_WORKER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+               "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT")
+
+
+def job_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without what torchrun set for this worker (ranks, rendezvous, ``TORCHELASTIC_*``,
+    and torchrun's own ``PET_*`` option defaults): the environment of a re-run of the whole job.
+
+    >>> sorted(job_env({"RANK": "0", "TORCHELASTIC_RUN_ID": "x", "PET_NNODES": "2", "HOME": "/h",
+    ...                 "OMP_NUM_THREADS": "1"}))
+    ['HOME', 'OMP_NUM_THREADS']
+    """
+    return {k: v for k, v in env.items()
+            if k not in _WORKER_ENV and not k.startswith(("TORCHELASTIC_", "PET_"))}
+
+
 def needs_locating(trace: Trace) -> bool:
     """A sentinel run whose failing step no rank could replay because its model's weights are
     split across the ranks (its origin not observed; not a copy over the memory cap): under
@@ -454,6 +474,31 @@ class RankContext:
         """Under ``nanhunt diagnose --nproc-per-node``, a merged report the launcher goes on
         with (:func:`launcher_continues`): it prints the summary after that, not rank 0."""
         return bool(os.environ.get(_LAUNCHER_ENV)) and launcher_continues(trace, verify=verify)
+
+    def job_reruns(self, rerun: Any) -> Any:
+        """How the process that writes the merged report re-runs the whole job, for the
+        experiments and a locating re-run (``rerun``: the run's
+        :class:`~nanhunt.experiment.verify.RerunConfig`, returned changed):
+
+        - the parent of workers the script starts itself re-runs the script, which starts them
+          again (``workers``);
+        - rank 0 of a torchrun job nanhunt did not launch (``torchrun -m nanhunt diagnose``),
+          where every rank runs on this machine, re-runs the job under a torchrun of its own
+          (``nproc``), in an environment without this job's rendezvous (:func:`job_env`); the
+          other ranks have exited by then (0 after a problem: :meth:`exit_code`);
+        - a job on several machines is not re-run (``not_rerun`` says why);
+        - under ``nanhunt diagnose --nproc-per-node`` the launcher re-runs it (unchanged)."""
+        if self.workers is not None:
+            return dataclasses.replace(rerun, workers=self.workers[0])
+        if self.world_size <= 1 or os.environ.get(_LAUNCHER_ENV):
+            return rerun
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if local != str(self.world_size):
+            return dataclasses.replace(rerun, not_rerun=(
+                f"its {self.world_size} ranks run on several machines (LOCAL_WORLD_SIZE "
+                f"{local or 'unset'}); nanhunt re-runs a job only where all its ranks run on "
+                "one machine"))
+        return dataclasses.replace(rerun, nproc=self.world_size, env=job_env(rerun.env))
 
     @property
     def writes_report(self) -> bool:

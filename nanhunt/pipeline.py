@@ -5,6 +5,7 @@ Each stage is guarded: a stage that fails leaves a note in the report instead of
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from nanhunt.capture.sentinel import Sentinel as _BareSentinel
+from nanhunt.distributed import needs_locating as _needs_locating
 from nanhunt.replay.step import TripAnalyst
 from nanhunt.trace import RunInfo, Trace
 
@@ -152,6 +154,22 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
     launcher = distributed and bool(_guard(
         trace, "deciding what the launcher does next", ctx.leaves_summary_to_launcher, trace,
         verify=rerun is not None and rerun.tries > 0))
+    if distributed and rerun is not None and not launcher:
+        # the job re-run by this process: rank 0 of a torchrun job nanhunt did not launch, or the
+        # parent of workers the script starts
+        rerun = _guard(trace, "preparing the job's re-runs", ctx.job_reruns, rerun) or rerun
+        if rerun.processes and _needs_locating(trace) and trace.run.status != "interrupted" \
+                and not (ctrl_c is not None and ctrl_c.pressed):
+            from nanhunt.cli.launch import locate_job
+
+            if ctrl_c is not None:
+                ctrl_c.raising = True
+            try:
+                if locate_job(trace, rerun, out_dir) and ctrl_c is not None:
+                    ctrl_c.pressed = True  # the report is written, then 130
+            finally:
+                if ctrl_c is not None:
+                    ctrl_c.raising = False
     if rerun is not None and not launcher and not (ctrl_c is not None and ctrl_c.pressed):
         from nanhunt.experiment.verify import verify_by_rerun
 
@@ -197,18 +215,65 @@ def _write(trace: Trace, out_dir: Path, write_reports: Any,
 # ----------------------------------------------------------------------------- the sentinel
 
 
+def _rank_and_world() -> tuple[int, int]:
+    """This process's rank and world size: torch.distributed's where a group is initialised,
+    else torchrun's environment (one process where neither says more)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 0, 1
+
+
+def locate_command(trace: Trace, world: int) -> str:
+    """The command that names the layer of a step the sentinel could not replay on a sharded
+    model: the job under ``nanhunt diagnose``, traced in full up to that step (the script's own
+    sentinel stands aside there)."""
+    import shlex
+
+    f = trace.first_failure
+    assert f is not None
+    nproc = ["--nproc-per-node", str(world)] if world > 1 else []
+    return shlex.join(["nanhunt", "diagnose", *nproc, "--max-steps", str(f.step + 1),
+                       "--verify", "0", *sys.argv])
+
+
 def _sentinel_report(sentinel: Any) -> None:
-    """Write a diagnosed sentinel's reports to its ``out`` (after the user's step returned)."""
+    """Write a diagnosed sentinel's reports to its ``out`` (after the user's step returned);
+    in a job of several processes, each rank's to ``out/ranks/rank-<r>/``."""
     import torch
 
     assert sentinel.out is not None
-    sentinel.out.mkdir(parents=True, exist_ok=True)
+    rank, world = _rank_and_world()
+    out = sentinel.out if world <= 1 else sentinel.out / "ranks" / f"rank-{rank}"
+    out.mkdir(parents=True, exist_ok=True)
     run = RunInfo(command=list(sys.argv), script=sys.argv[0] if sys.argv else "",
                   torch=torch.__version__, status="running")
-    sentinel.reported = analyse_and_report(sentinel, run, sentinel.out, quiet=True)
+    run.world_size = world
+    hint: list[str] = []
+
+    def amend(trace: Trace) -> None:
+        if world > 1:
+            if trace.first_failure is not None:
+                trace.first_failure.rank = rank
+            trace.notes.append(
+                f"rank {rank} of {world}: the sentinel in the script reports each rank on its "
+                f"own (in {out}); nanhunt diagnose --nproc-per-node {world} merges the ranks "
+                "and names the rank where the failure began")
+        if _needs_locating(trace):
+            hint.append(locate_command(trace, world))
+            trace.notes.append("to name the layer, run the job traced in full up to this step: "
+                               + hint[0])
+
+    sentinel.reported = analyse_and_report(sentinel, run, out, quiet=True, amend=amend)
     f = sentinel.first_failure
-    print(f"nanhunt sentinel: first non-finite value at {f.where() if f else '?'}; "
-          f"report in {sentinel.out}/", file=sys.stderr)
+    who = f" (rank {rank} of {world})" if world > 1 else ""
+    print(f"nanhunt sentinel{who}: first non-finite value at {f.where() if f else '?'}; "
+          f"report in {out}/" + (f"; to name the layer: {hint[0]}" if hint else ""),
+          file=sys.stderr)
 
 
 class Sentinel(_BareSentinel):

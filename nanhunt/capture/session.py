@@ -72,6 +72,12 @@ class Session:
     replay on a failure) are two compositions of the same observers, recorder and judge.
     """
 
+    #: the session ``nanhunt diagnose`` runs the script under: a session the script starts
+    #: itself (``nanhunt.sentinel``, ``nanhunt.watch``, a callback's) stands aside under it
+    owns_process = False
+    #: this session stood aside for the CLI's (it installed nothing and records nothing)
+    aside = False
+
     def __init__(
         self,
         model: nn.Module | None = None,
@@ -132,6 +138,7 @@ class Session:
         self.snapshots = Snapshots(self)
         self._compose()
         self.internal_errors: list[str] = []
+        self.stood_aside: list[str] = []  # sessions the script started under this one's watch
         self.snapshot: Snapshot | None = None
         # the optimizer step that made a parameter non-finite, copied just before it ran
         self.optimizer_snapshot: OptimizerSnapshot | None = None
@@ -240,6 +247,12 @@ class Session:
     def start(self) -> Session:
         global _ACTIVE
         with _LOCK:
+            if _ACTIVE is not None and _ACTIVE.owns_process and not self.owns_process:
+                # the script's own session under nanhunt diagnose: the CLI's traces every step
+                # already; this one installs nothing, and the script runs as under python
+                self.aside = True
+                _ACTIVE.stood_aside.append(type(self).__name__)
+                return self
             if _ACTIVE is not None:
                 raise NanhuntError("another nanhunt session is already active in this process")
             _ACTIVE = self
@@ -498,6 +511,11 @@ class Session:
         notes = [f"nanhunt stopped tracing after an internal error: {e}"
                  for e in self.internal_errors] + notes_extra
         compiled = sorted(getattr(getattr(self, "modules", None), "compiled", ()))
+        for kind in dict.fromkeys(self.stood_aside):
+            what = {"Sentinel": "a Sentinel: nanhunt.sentinel, or a callback in sentinel mode",
+                    "Hunt": "a Hunt: nanhunt.watch, or a callback"}.get(kind, kind)
+            notes.append(f"the script started a nanhunt session of its own ({what}); it stood "
+                         "aside, recording nothing, because nanhunt diagnose traces this process")
         if self.recorder.reducer.failed:
             notes.append(
                 "the statistics of sharded tensors (FSDP2 parameter gradients, the gradient "

@@ -118,15 +118,8 @@ def launch(nproc: int, argv: list[str]) -> int:
             if interrupted:
                 trace.notes.append("the sentinel could not replay the failing step; the run "
                                    "was interrupted, so no locating re-run was started")
-            else:
-                try:
-                    locate(trace, nproc, argv, out_dir)
-                except KeyboardInterrupt:
-                    interrupted = cut_short = True
-                    trace.notes.append("the locating re-run was interrupted (Ctrl-C)")
-                except Exception as exc:  # the sentinel's report stands
-                    trace.notes.append(f"the locating re-run failed ({type(exc).__name__}: "
-                                       f"{exc})")
+            elif locate_guarded(trace, lambda: locate(trace, nproc, argv, out_dir)):
+                interrupted = cut_short = True
         if opts.verify > 0 and not interrupted:
             try:
                 _experiments(trace, nproc, argv, opts, out_dir, job_seconds)
@@ -216,26 +209,34 @@ def _experiments(trace: Trace, nproc: int, argv: list[str], opts: Any, out_dir: 
     verify_by_rerun(trace, cfg, out_dir)
 
 
-def locate(trace: Trace, nproc: int, argv: list[str], out_dir: Path) -> None:
+def locate(trace: Trace, nproc: int, argv: list[str], out_dir: Path, *,
+           env: dict[str, str] | None = None, quiet: bool | None = None, cwd: str | None = None,
+           spawned: bool = False) -> None:
     """Re-run the job in full tracing up to the step the sentinel could not replay, and adopt
-    what it locates there (:func:`adopt_located`)."""
+    what it locates there (:func:`adopt_located`): under torchrun on ``nproc`` processes, or
+    (``spawned``) as the script alone, which starts its workers itself. ``env``: the job's
+    environment (default: this process's)."""
     f = trace.first_failure
     assert f is not None
     out = out_dir / LOCATE_DIR
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    opts = diagnose_parser().parse_args(split_argv(argv)[0])
-    if not opts.quiet:
+    if quiet is None:
+        quiet = diagnose_parser().parse_args(split_argv(argv)[0]).quiet
+    if not quiet:
         print(f"nanhunt: step {f.step} was not replayed on this sharded model; re-running steps "
               f"0-{f.step} with full tracing on {nproc} processes to name the layer",
               file=sys.stderr)
-    cmd = torchrun_command(nproc, _locate_argv(list(argv), out.resolve(), f.step))
-    env = {**os.environ, _LAUNCHER_ENV: "1", "NANHUNT_RERUN": "1", "NANHUNT_LOCATING": "1",
-           "WANDB_MODE": "disabled",
+    largv = _locate_argv(list(argv), out.resolve(), f.step)
+    cmd = ([sys.executable, "-m", "nanhunt", "diagnose", *largv] if spawned
+           else torchrun_command(nproc, largv))
+    env = {**(os.environ if env is None else env), _LAUNCHER_ENV: "1", "NANHUNT_RERUN": "1",
+           "NANHUNT_LOCATING": "1", "WANDB_MODE": "disabled",
            "NANHUNT_SCRATCH": str((out / "files").resolve())}
     started = time.time()
     with open(out / "output.txt", "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                                stdin=subprocess.DEVNULL)
         try:
             rc = proc.wait()
         except KeyboardInterrupt:
@@ -245,6 +246,31 @@ def locate(trace: Trace, nproc: int, argv: list[str], out_dir: Path) -> None:
     located = _read_report(out / "report.json", newer_than=started - 1) or \
         merge_rank_files(out, nproc, newer_than=started - 1)
     adopt_located(trace, located, f"exit status {rc}", nproc)
+
+
+def locate_guarded(trace: Trace, run: Any) -> bool:
+    """``run()`` (a locating re-run); what went wrong becomes a note and the sentinel's report
+    stands. True when Ctrl-C cut it short."""
+    try:
+        run()
+    except KeyboardInterrupt:
+        trace.notes.append("the locating re-run was interrupted (Ctrl-C)")
+        return True
+    except Exception as exc:  # the sentinel's report stands
+        trace.notes.append(f"the locating re-run failed ({type(exc).__name__}: {exc})")
+    return False
+
+
+def locate_job(trace: Trace, cfg: Any, out_dir: Path) -> bool:
+    """The locating re-run where this process writes the merged report and re-runs the job
+    itself (:meth:`nanhunt.distributed.RankContext.job_reruns`: rank 0 of a torchrun job nanhunt
+    did not launch, or the parent of workers the script starts), from the run's re-run config
+    ``cfg``. True when Ctrl-C cut it short."""
+    target = ["-m", cfg.module] if cfg.module else ["--", cfg.script]
+    argv = [*cfg.options, *target, *cfg.args]
+    return locate_guarded(trace, lambda: locate(
+        trace, cfg.processes, argv, out_dir, env=cfg.env, quiet=cfg.quiet, cwd=cfg.cwd,
+        spawned=cfg.workers is not None))
 
 
 def adopt_located(trace: Trace, located: Trace | None, ended: str, nproc: int) -> None:

@@ -253,7 +253,9 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
         script=target.script, module=target.module, args=list(target.args), cwd=os.getcwd(),
         env=dict(os.environ), tries=opts.verify, max_steps=opts.max_steps,
         options=rerun_options(opts), quiet=opts.quiet, jobs=opts.jobs, budget=opts.budget,
-        script_seconds=round(failed_at[0] if failed_at else time.monotonic() - _STARTED, 2),
+        # (a multi-process job's re-runs start every process again: its whole time)
+        script_seconds=round(failed_at[0] if failed_at and not ctx.distributed
+                             else time.monotonic() - _STARTED, 2),
         servers=zygotes)
     try:
         trace = analyse_and_report(

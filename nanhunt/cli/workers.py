@@ -172,10 +172,14 @@ def make_session(opts: Any, on_step: Any) -> Any:
         from nanhunt.pipeline import Sentinel
 
         # the reports are written after the run, as for full tracing
-        return Sentinel(out=None, stop=not opts.keep_going, **common)
-    from nanhunt.capture import Hunt
+        session: Any = Sentinel(out=None, stop=not opts.keep_going, **common)
+    else:
+        from nanhunt.capture import Hunt
 
-    return Hunt(sample_every=opts.sample_every, stop_on_problem=not opts.keep_going, **common)
+        session = Hunt(sample_every=opts.sample_every, stop_on_problem=not opts.keep_going,
+                       **common)
+    session.owns_process = True  # the script's own sessions stand aside under it
+    return session
 
 
 def finish_run_info(run: Any, outcome: Any, *, terminated: bool) -> None:

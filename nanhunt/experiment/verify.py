@@ -106,6 +106,16 @@ class RerunConfig:
     #: ``torch.distributed.run --standalone`` (``nanhunt diagnose --nproc-per-node``), one at
     #: a time, with no fork server
     nproc: int | None = None
+    #: the number of workers the script starts itself (torch.multiprocessing): each re-run is
+    #: the script again (it starts them again), one at a time
+    workers: int | None = None
+    #: why this multi-process job cannot be re-run (a job on several machines)
+    not_rerun: str | None = None
+
+    @property
+    def processes(self) -> int | None:
+        """The processes each re-run takes, for a multi-process job (None: one)."""
+        return self.nproc or self.workers
 
 
 def judge(original: Trace, rerun: Trace | None, target_steps: int, *, exit_code: int,
@@ -349,7 +359,7 @@ class _Pool:
         self.cfg, self.jobs, self.steps, self.progress = cfg, jobs, steps, progress
         self.deadline = deadline
         self.servers: list[_Server | None] = [None] * jobs
-        self.grace = 40.0 if cfg.nproc else 5.0  # before a stopped re-run is killed
+        self.grace = 40.0 if cfg.processes else 5.0  # before a stopped re-run is killed
         self.startup = 0.0
         self.durations: list[float] = []
 
@@ -462,7 +472,7 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
     v = trace.verification = Verification(tries_allowed=cfg.tries,
                                           script_seconds=cfg.script_seconds)
     # a torchrun job's re-runs take its processes each: one at a time
-    jobs = 1 if cfg.nproc else cfg.jobs or default_jobs()
+    jobs = 1 if cfg.processes else cfg.jobs or default_jobs()
     ex = trace.experiments = Experiments(jobs=jobs)
     for rec in trace.recommendations:
         rec.verified = False
@@ -484,13 +494,11 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         v.note = "nothing to verify: no problem was found"
         trace.experiments = None
         return
-    if trace.run.world_size > 1 and cfg.nproc != trace.run.world_size:
-        v.note = (f"not re-run: this {trace.run.world_size}-process job was not started by "
-                  "nanhunt (experiments run for torchrun jobs under nanhunt diagnose "
-                  "--nproc-per-node N, which re-runs the job)")
+    if trace.run.world_size > 1 and cfg.processes != trace.run.world_size:
+        why = cfg.not_rerun or "nanhunt does not know how to start it again"
+        v.note = f"not re-run: this {trace.run.world_size}-process job: {why}"
         ex.source, ex.note = "rules", (f"no experiment ran for this {trace.run.world_size}-"
-                                       "process job (torchrun -m nanhunt, or workers the "
-                                       "script starts): the verdict is the rules' alone")
+                                       f"process job ({why}): the verdict is the rules' alone")
         _label_untried(trace, v.note)
         return
     if trace.run.status == "crashed" and trace.first_failure is None:
@@ -567,7 +575,7 @@ def verify_by_rerun(trace: Trace, cfg: RerunConfig, out_dir: Path) -> None:
         if rung.name == "lines" and rung.fixes:  # which lines: two run at once
             label = "lines " + rung.fixes[0].rpartition(":")[2]
         task = _Task(label, list(rung.fixes), scratch / folder, done)
-        if rung.name == "control" and ex.failure_step is not None and not cfg.nproc:
+        if rung.name == "control" and ex.failure_step is not None and not cfg.processes:
             # the control's failing step watched op by op: the op and line of a failure
             # outside every module (a hand-written loss), which no module replay can name
             task.env["NANHUNT_LOCATE_STEP"] = str(ex.failure_step)

@@ -177,6 +177,9 @@ class CallbackSession:
         self._run.target_source = "option" if self.target else (target_source if chosen else "")
         self._run.world_size = world_size
         self.hunt.start()
+        if self.hunt.aside:  # under nanhunt diagnose, whose session traces this process
+            self.hunt = None
+            return
         if self.auditing:
             self._start_audit()
         # a run that raises out of a framework with no exception hook (the HF Trainer) still

@@ -354,6 +354,9 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def _torchrun(*args: str) -> list[str]:
+    """``torchrun -m nanhunt diagnose args``: without experiments unless ``--verify`` is given
+    (rank 0 of such a job re-runs it for them, one two-rank job each)."""
+    verify = [] if "--verify" in args else ["--verify", "0"]
     return [
         sys.executable,
         "-m",
@@ -364,6 +367,7 @@ def _torchrun(*args: str) -> list[str]:
         "-m",
         "nanhunt",
         "diagnose",
+        *verify,
         *args,
     ]
 
@@ -668,13 +672,16 @@ def test_no_sync_micro_batches_belong_to_their_step(tmp_path):
     assert report["ranks"][1]["first_failure"]["step"] == 2
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # (eight re-runs of a two-rank job: about 90 s on 2 CPUs)
 def test_a_compression_hook_that_overflows_is_found_in_the_communication_phase(tmp_path):
     """fp16_compress_hook overflows the all-reduced gradients at step 2 on every rank, from
     finite float32 gradients: the communication phase, the hook named, comm-hook:none offered
-    (bf16_compress_hook is refused by DDP on gloo), and the verdict the rules' alone."""
-    proc = _run(_torchrun("--quiet", "--out", "out", str(SCRIPTS / "ddp_comm_hook.py")),
-                tmp_path)
+    (bf16_compress_hook is refused by DDP on gloo). Under ``torchrun -m nanhunt`` (a launcher
+    that is not nanhunt's), rank 0 re-runs the job under a torchrun of its own for the
+    experiments: the control recurs, float32 everywhere trains, float32 in the model's modules
+    alone does not (the hook still compresses), and the no-compression fix is verified."""
+    proc = _run(_torchrun("--quiet", "--verify", "4", "--out", "out",
+                          str(SCRIPTS / "ddp_comm_hook.py")), tmp_path)
     report = _report(tmp_path / "out")
     ff = report["first_failure"]
     assert (ff["step"], ff["phase"], ff["module"], ff["tensor"]) == (
@@ -690,9 +697,21 @@ def test_a_compression_hook_that_overflows_is_found_in_the_communication_phase(t
     assert "fp16_compress_hook" in d["message"]
     fixes = {r["type"]: r["fix"] for r in report["recommendations"]}
     assert fixes["no_comm_hook"] == ["comm-hook:none"] and "comm_hook" not in fixes
-    assert "verdict is the rules' alone" in report["experiments"]["note"]
     assert [(r["rank"], r["answered"], len(r["steps"])) for r in report["ranks"]] == [
         (0, True, 3), (1, True, 3)]
+    ex = report["experiments"]
+    by = {e["rung"]: e for e in ex["runs"]}
+    assert ex["source"] == "experiments" and ex["control_reproduced"] is True
+    assert (by["control"]["outcome"], by["fp32"]["outcome"]) == ("recurred", "trained")
+    assert ex["verdict"] == "precision"
+    regions = [e for e in ex["runs"] if e["rung"] == "region"]
+    assert regions and all(e["outcome"] == "recurred" for e in regions)
+    rec = next(r for r in report["recommendations"] if r["type"] == "no_comm_hook")
+    assert rec["verified"], rec
+    # each re-run was the whole job under torchrun: both ranks in its merged report
+    control = _report(tmp_path / "out" / by["control"]["report"].rsplit("/", 1)[0])
+    assert control["run"]["world_size"] == 2 and len(control["ranks"]) == 2
+    assert proc.returncode == 1, proc.stderr
 
 
 @pytest.mark.slow
@@ -736,6 +755,27 @@ def test_the_sentinel_on_a_sharded_model_names_the_layer_by_a_locating_rerun(cli
     assert proc.stderr.count("PROBLEM:") == 1 and "re-running steps 0-2" in proc.stderr
 
 
+@pytest.mark.slow
+def test_the_sentinel_under_a_torchrun_of_the_users_names_the_layer_by_a_locating_rerun(
+        tmp_path):
+    """``torchrun -m nanhunt diagnose --mode sentinel`` on FSDP2: rank 0 (every rank on this
+    machine) locates the step no rank could replay by a full-tracing re-run under a torchrun of
+    its own, as nanhunt's launcher does, and the report takes the layer it names."""
+    proc = _run(_torchrun("--mode", "sentinel", "--out", "out",
+                          str(SCRIPTS / "fsdp2_overflow.py"), "--plant"), tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    report = _report(tmp_path / "out")
+    ff = report["first_failure"]
+    assert (ff["rank"], ff["step"], ff["phase"], ff["module"], ff["tensor"]) == (
+        1, 2, "forward", "2", "output"), proc.stderr
+    assert ff["observed"] is True and "located by a full-tracing re-run" in ff["detail"]
+    assert report["diagnosis"]["kind"] == "overflow"
+    located = _report(tmp_path / "out" / "locate")
+    assert located["run"]["mode"] == "full" and located["run"]["world_size"] == 2
+    assert proc.stdout.count("rank 1 step 1 loss") == 1  # the re-run's lines went to its log
+    assert proc.stderr.count("PROBLEM:") == 1 and "re-running steps 0-2" in proc.stderr
+
+
 @pytest.mark.slow  # (seven re-runs of a two-rank job: about a minute on 2 CPUs)
 def test_a_torchrun_job_gets_its_experiments_as_torchrun_reruns(tmp_path):
     """nanhunt diagnose --nproc-per-node 2 re-runs the job under torchrun for each experiment:
@@ -758,3 +798,34 @@ def test_a_torchrun_job_gets_its_experiments_as_torchrun_reruns(tmp_path):
     assert control["run"]["world_size"] == 2 and len(control["ranks"]) == 2
     assert proc.stderr.count("PROBLEM:") == 1
     assert proc.stderr.index("experiment control") < proc.stderr.index("PROBLEM:")
+
+
+@pytest.mark.slow
+def test_the_sentinel_in_a_sharded_script_reports_each_rank_and_the_command_that_names_the_layer(
+        tmp_path):
+    """``nanhunt.sentinel`` inside an FSDP2 script under a plain torchrun: each rank reports in a
+    folder of its own (before, both wrote the same files), with its rank, and the step it could
+    not replay comes with the command that names the layer; that command, run as given (the
+    script's own sentinel stands aside under it), names layer 2 on rank 1."""
+    import shlex
+
+    script = SCRIPTS / "fsdp2_overflow.py"
+    proc = _run(_plain_torchrun(script, "--plant", "--sentinel", "sent"), tmp_path)
+    assert proc.returncode == 0, proc.stderr  # the sentinel reports; the script trains on
+    reports = {r: _report(tmp_path / "sent" / "ranks" / f"rank-{r}") for r in (0, 1)}
+    for r, report in reports.items():
+        ff = report["first_failure"]
+        assert (ff["rank"], ff["step"], ff["observed"]) == (r, 2, False)
+        assert report["run"]["world_size"] == 2
+        assert f"nanhunt sentinel (rank {r} of 2): first non-finite value at step 2" in \
+            proc.stderr
+    hint = next(n for n in reports[1]["notes"] if n.startswith("to name the layer"))
+    command = shlex.split(hint.split(": ", 1)[1])
+    assert command[:2] == ["nanhunt", "diagnose"] and "--max-steps" in command
+    located = _run([sys.executable, "-m", "nanhunt", *command[1:]], tmp_path)
+    assert located.returncode == 1, located.stderr
+    report = _report(tmp_path / "nanhunt-report")
+    ff = report["first_failure"]
+    assert (ff["rank"], ff["step"], ff["phase"], ff["module"], ff["tensor"]) == (
+        1, 2, "forward", "2", "output")
+    assert any("stood aside" in n for n in report["notes"])

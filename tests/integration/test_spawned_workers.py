@@ -54,6 +54,9 @@ def _run_group(cmd: list[str], cwd: Path) -> Run:
 def _submit(cli, kind: str, args: tuple[str, ...]):
     if kind == "python":
         cmd = [sys.executable, str(SCRIPT), *args]
+    elif kind == "experiments":  # nanhunt's default: the experiments after the run
+        cmd = [sys.executable, "-m", "nanhunt", "diagnose", "--quiet", "--out", "out",
+               str(SCRIPT), *args]
     else:
         cmd = [sys.executable, "-m", "nanhunt", "diagnose", "--verify", "0", "--quiet",
                "--out", "out", str(SCRIPT), *args]
@@ -65,6 +68,7 @@ def prefetch(cli) -> None:
         _submit(cli, "nanhunt", args)
     for args in (HEALTHY_SPAWN, RAISING_FORK):
         _submit(cli, "python", args)
+    _submit(cli, "experiments", FAILING_FORK)
 
 
 def _get(cli, kind: str, args: tuple[str, ...]) -> Run:
@@ -141,3 +145,28 @@ def test_a_worker_that_raises_gives_pythons_traceback_and_a_crash_report(cli):
     assert report["run"]["error"] == "rank 1: RuntimeError: rank 1: planted failure at step 1"
     assert [r["answered"] for r in report["ranks"]] == [True, True]
     assert "rank 1 raised: RuntimeError: rank 1: planted failure at step 1" in report["notes"]
+
+
+def test_the_experiments_re_run_the_script_that_starts_the_workers(cli):
+    """A script that starts its own workers gets the experiments of a single-process run: each
+    re-run is the script again (it starts its workers again), one at a time, its output and
+    files kept from the user's. A NaN in one sample of rank 1's batch recurs in the control and
+    at lower learning rates and goes with that sample replaced; that data fix is verified."""
+    run = _get(cli, "experiments", FAILING_FORK)
+    assert run.code == 1, run.stderr
+    report = run.report
+    ex = report["experiments"]
+    by = {e["rung"]: e for e in ex["runs"]}
+    assert ex["source"] == "experiments" and ex["control_reproduced"] is True, ex
+    assert by["control"]["outcome"] == "recurred"
+    assert by["lr-0.1"]["outcome"] == "recurred"
+    assert by["skip-samples"]["outcome"] == "trained" and ex["verdict"] == "data"
+    assert by["skip-samples"]["fixes"] == ["skip-samples=2:1"]  # x[1, 2] is NaN on rank 1
+    rec = next(r for r in report["recommendations"] if r["type"] == "fix_data")
+    assert rec["verified"] and rec["fix"] == ["skip-samples=2:1"]
+    control = json.loads((run.cwd / "out" / by["control"]["report"]).read_text())
+    assert control["run"]["world_size"] == 2 and len(control["ranks"]) == 2
+    assert control["first_failure"]["rank"] == 1
+    # the re-runs' workers wrote to their own logs: the user's stdout has one run's lines
+    assert run.stdout.count("rank 1 step 1 loss") == 1
+    assert sorted(p.name for p in run.cwd.iterdir()) == ["out"]

@@ -83,3 +83,35 @@ def test_the_locating_rerun_is_sandboxed_but_analysed_in_full(tmp_path, monkeypa
         fixes.uninstall()
     assert not (tmp_path / "ckpt.pt").exists()
     assert list((tmp_path / "scratch").rglob("ckpt.pt"))
+
+
+def test_who_re_runs_a_multi_process_job_and_in_what_environment(monkeypatch):
+    """rank 0 of a one-machine torchrun job nanhunt did not launch re-runs it under a torchrun of
+    its own, without this job's rendezvous; the parent of workers the script starts re-runs the
+    script; a job on several machines and a job nanhunt's launcher re-runs are left as they are."""
+    from nanhunt.distributed import RankContext
+    from nanhunt.experiment.verify import RerunConfig
+
+    torchrun_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "GROUP_RANK": "0",
+                    "TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_ERROR_FILE": "/tmp/e.json",
+                    "PET_NNODES": "1", "OMP_NUM_THREADS": "1", "PATH": "/bin"}
+    for k, v in torchrun_env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("NANHUNT_LAUNCHER", raising=False)
+    cfg = RerunConfig(script="t.py", module=None, args=[], cwd=".", env=dict(torchrun_env))
+    rank0 = RankContext(rank=0, world_size=2)
+    mine = rank0.job_reruns(cfg)
+    assert (mine.nproc, mine.workers, mine.processes, mine.not_rerun) == (2, None, 2, None)
+    assert mine.env == {"OMP_NUM_THREADS": "1", "PATH": "/bin"}
+    assert cfg.env == torchrun_env  # the run's own config is not changed
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per machine
+    far = rank0.job_reruns(cfg)
+    assert far.processes is None and "several machines" in far.not_rerun
+    monkeypatch.setenv("NANHUNT_LAUNCHER", "1")  # the launcher re-runs it
+    assert rank0.job_reruns(cfg) is cfg
+    parent = RankContext()
+    parent.workers = (3, "id", 0.0)
+    spawned = parent.job_reruns(cfg)
+    assert (spawned.workers, spawned.nproc, spawned.processes) == (3, None, 3)
+    assert RankContext().job_reruns(cfg) is cfg  # one process

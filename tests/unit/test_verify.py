@@ -150,13 +150,14 @@ def test_eps_and_floor_rise_by_factors_of_ten():
                                               "floor:norm:sqrt=0.00061", "floor:norm:sqrt=0.0061"]
 
 
-def test_a_multi_process_job_nanhunt_did_not_start_is_not_rerun(tmp_path: Path):
+def test_a_multi_process_job_nanhunt_cannot_start_again_is_not_rerun(tmp_path: Path):
     t = _fp32_trace()
     t.run.world_size = 2
     attach_fixes(t)
+    why = "its 2 ranks run on several machines (LOCAL_WORLD_SIZE 1)"
     verify_by_rerun(t, RerunConfig(script="x.py", module=None, args=[], cwd=str(tmp_path),
-                                   env={}), tmp_path)
-    assert "not started by nanhunt" in t.verification.note
+                                   env={}, not_rerun=why), tmp_path)
+    assert why in t.verification.note and why in t.experiments.note
     assert "the rules' alone" in t.experiments.note
     assert t.verification.tries == 0
     assert not any(r.verified for r in t.recommendations)

@@ -1,0 +1,79 @@
+"""A script that starts nanhunt itself (``nanhunt.sentinel``, ``nanhunt.watch``, a framework
+callback) run under ``nanhunt diagnose``: the script's own session stands aside (it installs
+nothing and writes nothing), the CLI's traces the run, and the script's output is python's up
+to the failing step. Before, the script crashed with "another nanhunt session is already
+active in this process" and the report said it stopped before any training step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+SCRIPT = '''
+import sys
+import torch, torch.nn as nn, nanhunt
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+session = nanhunt.{api}(model, opt{options})
+with session as s:
+    for step in range(20):
+        x = torch.randn(16, 8)
+        if step == 12:
+            x[3, 2] = float("nan")
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        print(step, repr(loss.item()))
+print("after", s.first_failure and s.first_failure.where())
+'''
+
+CASES = {"sentinel": ("sentinel", ', out="own-report", stop=True'),
+         "watch": ("watch", "")}
+
+
+def prefetch(cli) -> dict:
+    runs = {}
+    for name, (api, options) in CASES.items():
+        files = {"train.py": SCRIPT.format(api=api, options=options)}
+        runs[name, "nanhunt"] = cli.submit_with_files(files, "diagnose", "--quiet", "train.py")
+        runs[name, "python"] = cli.python_with_files(files, "train.py")
+    return runs
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_scripts_own_session_stands_aside_under_the_cli(cli, name):
+    runs = prefetch(cli)
+    run, plain = runs[name, "nanhunt"].result(), runs[name, "python"].result()
+    assert plain.returncode == 0, plain.stderr
+    assert run.returncode == 1, run.stderr
+    assert "another nanhunt session" not in run.stderr
+    ff = run.report["first_failure"]
+    assert (ff["step"], ff["phase"], ff["tensor"]) == (12, "data", "input[0]")
+    assert any("stood aside" in n for n in run.report["notes"])
+    # the script printed what python printed, up to the failing step, in which the CLI stopped
+    # it (as it stops any script); the script's own sentinel would have let it print step 12
+    python_lines = plain.stdout.splitlines()
+    assert run.stdout.splitlines() == python_lines[:12]
+    assert python_lines[12].startswith("12 nan")
+    # the script's own session wrote nothing (its report folder is not made)
+    assert not (run.cwd / "own-report").exists()
+
+
+@pytest.mark.slow
+def test_a_lightning_callback_stands_aside_under_the_cli(cli):
+    """examples/frameworks/lightning_nan_batch.py with NanhuntCallback (``--callback cb``) under
+    nanhunt diagnose: the CLI's answer is the one it gives without the callback, and the
+    callback writes no report."""
+    script = EXAMPLES / "frameworks" / "lightning_nan_batch.py"
+    run = cli.submit("diagnose", "--quiet", script, "--callback", "cb").result()
+    assert run.returncode == 1, run.stderr
+    ff = run.report["first_failure"]
+    assert (ff["step"], ff["phase"], ff["module"], ff["tensor"]) == (5, "data", "model",
+                                                                      "input[0]")
+    assert any("stood aside" in n and "callback" in n for n in run.report["notes"])
+    assert not (run.cwd / "cb").exists()
