@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from nanhunt.errors import NanhuntError
-from nanhunt.trace import PHASES, Failure, RankSummary, Trace
+from nanhunt.trace import PHASES, Failure, RankSummary, Trace, needs_locating
 
 __all__ = [
     "RANK_TIMEOUT_ENV",
@@ -88,15 +88,6 @@ def job_env(env: dict[str, str]) -> dict[str, str]:
             if k not in _WORKER_ENV and not k.startswith(("TORCHELASTIC_", "PET_"))}
 
 
-def needs_locating(trace: Trace) -> bool:
-    """A sentinel run whose failing step no rank could replay because its model's weights are
-    split across the ranks (its origin not observed; not a copy over the memory cap): under
-    ``nanhunt diagnose --nproc-per-node`` the launcher locates it by a full-tracing re-run
-    (:func:`nanhunt.cli.launch.locate`), and rank 0 leaves the summary to it."""
-    f = trace.first_failure
-    return (trace.run.mode == "sentinel" and f is not None and not f.observed and
-            "was not replayed" in (f.detail or "") and
-            "split across the ranks" in (f.detail or ""))
 _META_KEY = "nanhunt_rank"  # extra top-level key of a rank file; Trace.from_dict ignores it
 _ENDED = ("crashed", "interrupted")
 _PHASE_ORDER = {phase: i for i, phase in enumerate(PHASES)}

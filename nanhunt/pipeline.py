@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from nanhunt.capture.sentinel import Sentinel as _BareSentinel
-from nanhunt.distributed import needs_locating as _needs_locating
 from nanhunt.replay.step import TripAnalyst
-from nanhunt.trace import RunInfo, Trace
+from nanhunt.trace import RunInfo, Trace, needs_locating
 
 __all__ = ["Sentinel", "analyse", "analyse_and_report", "sentinel"]
 
@@ -101,7 +100,8 @@ def _promote_severe_underflow(trace: Trace) -> None:
 def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool = False,
                        ctx: Any = None, show_all: bool = False, quiet: bool = False,
                        rerun: Any = None, ctrl_c: Any = None,
-                       amend: Callable[[Trace], Any] | None = None) -> Trace:
+                       amend: Callable[[Trace], Any] | None = None,
+                       locate: Callable[[Trace, Any, Path], bool] | None = None) -> Trace:
     """Build the trace from a finished session, analyse it, verify its recommendations by
     re-running the script (``rerun``: a :class:`nanhunt.experiment.verify.RerunConfig`) and write
     every
@@ -110,7 +110,10 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
     ``ctrl_c`` (the CLI's SIGINT handler: ``pressed``, ``raising``) lets a Ctrl-C cut the
     analysis or the verification short; the report is written and KeyboardInterrupt raised
     after it. ``amend(trace)`` adds to the analysed trace before the reports are written (a
-    callback's precision audit; rank 0's only, after the ranks are merged)."""
+    callback's precision audit; rank 0's only, after the ranks are merged). ``locate(trace,
+    rerun, out_dir)`` (the CLI's :func:`nanhunt.cli.launch.locate_job`) runs the locating
+    re-run where this process re-runs a multi-process job itself; True when Ctrl-C cut it
+    short."""
     from nanhunt.report import render_terminal, write_reports
 
     try:
@@ -158,14 +161,12 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
         # the job re-run by this process: rank 0 of a torchrun job nanhunt did not launch, or the
         # parent of workers the script starts
         rerun = _guard(trace, "preparing the job's re-runs", ctx.job_reruns, rerun) or rerun
-        if rerun.processes and _needs_locating(trace) and trace.run.status != "interrupted" \
-                and not (ctrl_c is not None and ctrl_c.pressed):
-            from nanhunt.cli.launch import locate_job
-
+        if locate is not None and rerun.processes and needs_locating(trace) and \
+                trace.run.status != "interrupted" and not (ctrl_c is not None and ctrl_c.pressed):
             if ctrl_c is not None:
                 ctrl_c.raising = True
             try:
-                if locate_job(trace, rerun, out_dir) and ctrl_c is not None:
+                if locate(trace, rerun, out_dir) and ctrl_c is not None:
                     ctrl_c.pressed = True  # the report is written, then 130
             finally:
                 if ctrl_c is not None:
@@ -263,7 +264,7 @@ def _sentinel_report(sentinel: Any) -> None:
                 f"rank {rank} of {world}: the sentinel in the script reports each rank on its "
                 f"own (in {out}); nanhunt diagnose --nproc-per-node {world} merges the ranks "
                 "and names the rank where the failure began")
-        if _needs_locating(trace):
+        if needs_locating(trace):
             hint.append(locate_command(trace, world))
             trace.notes.append("to name the layer, run the job traced in full up to this step: "
                                + hint[0])

@@ -790,3 +790,19 @@ def host_platform() -> str:
     import platform
 
     return "-".join(x for x in (platform.system(), platform.release(), platform.machine()) if x)
+
+
+#: the words with which the sentinel says it could not replay a step of a sharded model
+SPLIT_ACROSS_RANKS = "split across the ranks"
+
+
+def needs_locating(trace: Trace) -> bool:
+    """A sentinel run whose failing step no rank could replay because its model's weights are
+    split across the ranks (its origin not observed; not a copy over the memory cap): a
+    full-tracing re-run of the job up to that step names the layer
+    (:func:`nanhunt.cli.launch.locate`, run by nanhunt's launcher or by rank 0), and the
+    in-script sentinel prints the command that runs one."""
+    f = trace.first_failure
+    return (trace.run.mode == "sentinel" and f is not None and not f.observed and
+            "was not replayed" in (f.detail or "") and
+            SPLIT_ACROSS_RANKS in (f.detail or ""))

@@ -246,6 +246,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
             outcome.error.add_note(
                 f"nanhunt: first non-finite value at {hunt.first_failure.where()}")
         print_user_traceback(outcome.error)
+    from nanhunt.cli.launch import locate_job
     from nanhunt.experiment.verify import RerunConfig
     from nanhunt.pipeline import analyse_and_report
 
@@ -269,6 +270,7 @@ def _diagnose(opts: argparse.Namespace, target: Any, argv: list[str], out_dir: P
             rerun=rerun,
             ctrl_c=ctrl_c,
             amend=fixes.amend if fixes.notes else None,
+            locate=locate_job,
         )
     finally:
         for zygote in zygotes:  # the ones verification did not take

@@ -164,24 +164,38 @@ class Bisection:
 
     def propose(self) -> list[list[str]]:
         """The regions to try now, first the likelier (the first half); [] when done."""
-        if self.done:
-            return []
-        if self.runs >= MAX_RUNS:
-            self.done, self.stopped = True, f"stopped at {MAX_RUNS} re-runs"
-            return []
-        if not self._pending:
-            n = len(self.units) // 2
-            self._pending = [Step(self.units[:n], "half"), Step(self.units[n:], "half")]
-        return [s.patterns for s in self._pending]
+        while True:
+            if self.done:
+                return []
+            if self.runs >= MAX_RUNS:
+                self.done, self.stopped = True, f"stopped at {MAX_RUNS} re-runs"
+                return []
+            if not self._pending:
+                n = len(self.units) // 2
+                self._pending = [Step(self.units[:n], "half"), Step(self.units[n:], "half")]
+            # a region tried already (the origin alone, then a half that is the origin) is not
+            # re-run: its outcome stands
+            known = {spec(s.patterns, self.keep): s.outcome for s in self.steps
+                     if s.outcome not in ("not run", "skipped")}
+            fresh = []
+            for s in self._pending:
+                if spec(s.patterns, self.keep) in known:
+                    s.outcome = known[spec(s.patterns, self.keep)]
+                else:
+                    fresh.append(s)
+            if fresh:
+                return [s.patterns for s in fresh]
+            self.record({})  # every region of this level ran already: go on from them
 
     def record(self, outcomes: dict[str, str]) -> None:
         """Outcomes by spec (:func:`spec`); a region with none did not run (the budget)."""
         tried = self._pending
         self._pending = []
-        for s in tried:
-            s.outcome = outcomes.get(spec(s.patterns, self.keep), "not run")
+        ran = {spec(s.patterns, self.keep) for s in self.steps}
+        for s in tried:  # (a region that ran at an earlier level keeps its outcome)
+            s.outcome = outcomes.get(spec(s.patterns, self.keep), s.outcome)
         tried = [s for s in tried if s.outcome != "skipped"]  # not needed: the other trained
-        self.steps += tried
+        self.steps += [s for s in tried if spec(s.patterns, self.keep) not in ran]
         won = next((s for s in tried if s.outcome == "trained"), None)
         if won is not None:
             self.region = won.patterns

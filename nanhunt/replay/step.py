@@ -24,6 +24,7 @@ from nanhunt.capture._util import _call_leaves, _leaves, _version, map_tensors
 from nanhunt.capture.keep import StepKeep
 from nanhunt.capture.session import Hunt
 from nanhunt.contract import Copies, CopyRefused, isolated, sharded_how
+from nanhunt.trace import SPLIT_ACROSS_RANKS
 
 __all__ = ["Held", "Replay", "TripAnalyst", "replay_step"]
 
@@ -86,7 +87,7 @@ def hold(sentinel: Any, keep: StepKeep, scale: float | None) -> Held:
         sharded = sharded_how(inner)
         if sharded:
             raise CopyRefused(
-                f"{label} is {sharded}: its weights are split across the ranks, so one rank "
+                f"{label} is {sharded}: its weights are {SPLIT_ACROSS_RANKS}, so one rank "
                 "cannot replay its step alone (full tracing, without --mode sentinel, names "
                 "the layer as the step runs)")
         # (our hooks are not copied: nn.Module.__getstate__ leaves them out while we watch)

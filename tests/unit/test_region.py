@@ -164,3 +164,14 @@ def test_an_op_in_the_models_own_forward_keeps_the_model():
     tried = _search(b, lambda p: "trained" if "model" in p else "recurred")
     assert tried[0] == ["model"] and b.region == ["model"]
     assert "model" not in b.tree.top  # its children are bisected, none trains alone
+
+
+def test_a_half_that_is_the_origin_alone_is_not_run_again():
+    """Three modules, the failure seen in the first: the origin alone recurs, and the first half
+    of the bisection is that same module; its outcome stands (no second re-run of it) and the
+    search goes on with the other half."""
+    b = Bisection.of(_with_origin(["0", "1", "2", "model"], "0"))
+    tried = _search(b, lambda p: "recurred")  # (_search asserts that nothing is tried twice)
+    assert tried[0] == ["0"]
+    assert ["0"] not in tried[1:] and ["1", "2"] in tried
+    assert b.region is None and b.runs == len(tried)
