@@ -222,18 +222,21 @@ class CliRuns:
 
         return self.call(("python", full), run)
 
-    def python_with_files(self, files: dict[str, str], *argv: str,
+    def python_with_files(self, files: dict[str, str], *argv: str | Path,
                           timeout: float = 600) -> Future:
-        """``python ARGV`` in a fresh folder with ``files`` written into it first, once; the
-        result is a :class:`Result` (its ``cwd`` the folder)."""
+        """``python ARGV`` (through this thread's fork server, as :meth:`python`) in a fresh
+        folder with ``files`` written into it first, once; ``{cwd}`` in an argument is that
+        folder. The result is a :class:`Result` (its ``cwd`` the folder)."""
         def run(cwd: Path) -> Result:
             for name, text in files.items():
                 (cwd / name).parent.mkdir(parents=True, exist_ok=True)
                 (cwd / name).write_text(text)
-            proc = run_python(*argv, cwd=cwd, timeout=timeout)
+            args = [a.format(cwd=cwd) if "{cwd}" in a else a for a in map(str, argv)]
+            proc = run_python(*args, cwd=cwd, timeout=timeout)
             return Result(proc, cwd / "nanhunt-report", cwd)
 
-        return self.call(("python-files", tuple(sorted(files.items())), argv), run)
+        return self.call(("python-files", tuple(sorted(files.items())), tuple(map(str, argv))),
+                         run)
 
     def close(self) -> None:
         for fut in self._done.values():

@@ -9,7 +9,6 @@ The other two use cheap backends (the eager replay does not depend on the backen
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,8 +27,8 @@ def _nanhunt(cli, args):
 
 
 def _python(cli, args):
-    # submit_with_files formats {cwd}; the plain run goes through the same launcher
-    return cli.submit_with_files({}, SCRIPT, *args, cmd=(sys.executable,), timeout=TIMEOUT)
+    # through the fork server, as nanhunt's runs (no second torch import to pay)
+    return cli.python_with_files({}, SCRIPT, *args, timeout=TIMEOUT)
 
 
 # (sampled mode's leak, the with_kwargs flag torch's handle left, is a unit test:

@@ -416,11 +416,8 @@ def prefetch(cli) -> dict:
     tests instead of holding up this thread."""
     return {"ddp": cli.call(("torchrun", "ddp-nan-batch"),
                             lambda cwd: (cwd, _run(_ddp_nan_batch(_torchrun), cwd))),
-            "fsdp2-sentinel": cli.call(("torchrun", "fsdp2", "sentinel"),
-                                       lambda cwd: (cwd, _run(_nanhunt(
-                                           "--mode", "sentinel", "--verify", "0", "--out",
-                                           "out", str(SCRIPTS / "fsdp2_overflow.py"),
-                                           "--plant"), cwd)))}
+            "fsdp2": cli.call(("torchrun", "fsdp2", "float16"),
+                              lambda cwd: (cwd, _run(_fsdp2("float16"), cwd)))}
 
 
 # one torchrun job of each kind stays in the default suite (DDP here, FSDP2 below); the rest of
@@ -530,12 +527,8 @@ def test_fsdp2_mixed_precision_overflow_on_one_rank_names_the_layer_and_rank(tmp
     names as the user wrote them, the overflowing layer on rank 1, float32 advice as a change
     of the policy."""
     if dtype == "float16":
-        # the default suite's full-tracing FSDP2 job is the locating re-run of the sentinel job
-        # (below): the same script and arguments under torchrun, --mode full, stopped after the
-        # failing step, its output in locate/output.txt
-        tmp_path, proc = prefetch(cli)["fsdp2-sentinel"].result()
-        out = tmp_path / "out" / "locate"
-        stdout = (out / "output.txt").read_text()
+        tmp_path, proc = prefetch(cli)["fsdp2"].result()
+        out, stdout = tmp_path / "out", proc.stdout
     else:
         proc = _run(_fsdp2(dtype), tmp_path)
         out, stdout = tmp_path / "out", proc.stdout
@@ -731,13 +724,15 @@ def test_the_comm_hook_fix_under_torchrun_trains_quietly(tmp_path):
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
 
 
-def test_the_sentinel_on_a_sharded_model_names_the_layer_by_a_locating_rerun(cli):
+@pytest.mark.slow  # (two torchrun jobs; the pieces are unit tests: tests/unit/test_locate.py)
+def test_the_sentinel_on_a_sharded_model_names_the_layer_by_a_locating_rerun(tmp_path):
     """FSDP2 under --mode sentinel: no rank can replay the failing step alone (the weights are
     split across the ranks), so the launcher re-runs the job with full tracing up to that step,
     its output and files kept out of the user's, and the report takes the layer, rank and cause
     that re-run found at the same step (the layer the script planted the overflow in), labelled
     as located by the re-run; one summary on the terminal."""
-    tmp_path, proc = prefetch(cli)["fsdp2-sentinel"].result()
+    proc = _run(_nanhunt("--mode", "sentinel", "--verify", "0", "--out", "out",
+                         str(SCRIPTS / "fsdp2_overflow.py"), "--plant"), tmp_path)
     assert proc.returncode == 1, proc.stderr
     report = _report(tmp_path / "out")
     assert report["run"]["mode"] == "sentinel"
