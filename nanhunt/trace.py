@@ -489,6 +489,7 @@ class GroupSignal:
 
     group: str  # ParamGroupInfo.name: "Adam[0]" (the optimizer's class and the group's index)
     weight_norm: float | None = None  # after the update
+    weight_norm_before: float | None = None  # before it
     update_norm: float | None = None  # of what the update changed (after - before)
     grad_norm: float | None = None  # of the gradients it stepped on (unscaled)
     unchanged: float | None = None  # fraction of its elements the update left exactly as they were

@@ -115,7 +115,9 @@ def _lower_lr_jump(trace: Trace, ctx: Context, finding: Finding) -> Recommendati
     if not update or not math.isfinite(update):
         return None
     if before:
-        factor = lr_from_update_ratio(1.0, update / before)
+        # unbounded below (unlike a ratio measured over healthy steps): an update that replaced
+        # the weights tells how far the lr is off, by many powers of ten at lr 1e20
+        factor = min(0.1, 10.0 ** math.floor(math.log10(UPDATE_RATIO_TARGET * before / update)))
         evidence = [f"param group {group}: the update's norm {update:.3g} against the weights' "
                     f"norm {before:.3g} before it",
                     f"x{factor:g} brings the update to about {UPDATE_RATIO_TARGET:g} of the "

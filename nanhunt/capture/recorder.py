@@ -102,8 +102,8 @@ class Recorder:
 
     def signal_steps(self) -> list[SignalStep]:
         """The per-group signals by step (capture/signals.py), oldest first."""
-        fields = ("weight_norm", "update_norm", "grad_norm", "unchanged", "moment2_max",
-                  "moment2_mean", "lr")
+        fields = ("weight_norm", "weight_norm_before", "update_norm", "grad_norm", "unchanged",
+                  "moment2_max", "moment2_mean", "lr")
         return [SignalStep(step, [GroupSignal(group=g, **{k: v.get(k) for k in fields})
                                   for g, v in groups.items()])
                 for step, groups in sorted(self.signals.items())]

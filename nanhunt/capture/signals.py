@@ -149,6 +149,8 @@ class SignalObserver(Part):
                 before, weight = copy
                 after = _sample(self._weights, params)[0]  # the same elements, after it
                 self._queue(step, (after.double().pow(2) * weight).sum(), name, "weight_norm")
+                self._queue(step, (before.double().pow(2) * weight).sum(), name,
+                            "weight_norm_before")
                 delta = after - before
                 total = sum(_stats.local(p).numel() for p in params)
                 self._queue(step, (delta.double().pow(2) * weight).sum(), name, "update_norm")

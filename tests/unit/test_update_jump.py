@@ -50,6 +50,15 @@ def test_an_update_that_replaced_the_weights_is_the_diagnosis(mode):
     assert f"{after:.3g}"[:3] in d.evidence[0]
     recs = [r.type for r in trace.recommendations]
     assert "fp32_module" not in recs and recs[0] == "lower_lr"
+    # the computed cut (the weights before step 0 are measured: no least-cut guess), applied
+    # to the same training, trains: every step finite, each update a small share of the weights
+    factor = trace.recommendations[0].value
+    assert factor < 1e-3 and "before it" in trace.recommendations[0].evidence[0]
+    fixed, fixed_norms = train(1e20 * factor, norms=[]), []
+    assert fixed.first_failure is None and fixed.diagnosis is None
+    assert all(s.loss is not None and s.loss == s.loss for s in fixed.steps)
+    ratios = [g.update_ratio for st in fixed.signals for g in st.groups]
+    assert max(ratios) < 0.1, ratios
 
 
 def test_a_forward_overflow_after_healthy_updates_is_not_the_learning_rate():
@@ -81,3 +90,47 @@ def test_a_step_with_a_closure_is_measured_after_the_closure_made_its_gradients(
     trace = analyse(hunt.trace(), hunt.snapshot)
     assert [st.step for st in trace.signals][:1] == [0]
     assert trace.diagnosis.rule == "update-jump" and trace.diagnosis.step == 0
+
+
+def test_the_weights_norm_before_each_update_is_recorded():
+    norms = []
+    trace = train(1e-3, norms=norms)
+    got = [(st.groups[0].weight_norm_before, st.groups[0].weight_norm) for st in trace.signals]
+    assert len(got) == len(norms) == 4
+    for (before, after), (ref_before, ref_after) in zip(got, norms):
+        assert before == pytest.approx(ref_before, rel=1e-9)
+        assert after == pytest.approx(ref_after, rel=1e-9)
+
+
+def _signals(*steps):
+    from nanhunt.trace import GroupSignal, SignalStep
+
+    return [SignalStep(i, [GroupSignal(group="AdamW[0]", weight_norm_before=b, weight_norm=a,
+                                       update_norm=u, lr=1.0)])
+            for i, (b, a, u) in enumerate(steps)]
+
+
+def test_a_jump_two_steps_before_the_failure_is_the_step_that_wrote_the_weights():
+    """nanoGPT compiled at lr 1e20: step 0 replaced the weights (2.7 -> 4e21), step 1's update
+    (its gradients saturated) grew them little, and the failure came at step 2: step 0 is the
+    jump, though the step just before the failure was no jump of its own."""
+    from nanhunt.analyse.diagnose.curves import _jump
+    from nanhunt.trace import Trace
+
+    t = Trace(signals=_signals((2.7, 4.06e21, 4.06e21), (4.06e21, 5e21, 3e21)))
+    step, g, ratio, was = _jump(t, 2)
+    assert (step, was) == (0, 2.7) and ratio == pytest.approx(1.0)
+    # brought back within 10x of the old norm before the failure: not what it computed with
+    t = Trace(signals=_signals((2.7, 4e21, 4e21), (4e21, 20.0, 4e21)))
+    assert _jump(t, 2) is None
+    # a zero-initialised group's first update replaces nothing: its ratio is 1 by definition
+    t = Trace(signals=_signals((0.0, 1e-3, 1e-3), (1e-3, 2e-3, 1e-3)))
+    assert _jump(t, 2) is None
+    # a jump long before the failure (here a group's small initial weights, outgrown by its
+    # first update, four healthy steps before it) is not read as its cause
+    healthy = [(4e21 * (1 + i / 100), 4e21 * (1 + (i + 1) / 100), 4e18) for i in range(4)]
+    t = Trace(signals=_signals((2.7, 4e21, 4e21), *healthy))
+    assert _jump(t, 5) is None and _jump(t, 3) is not None
+    # healthy updates: none
+    t = Trace(signals=_signals((2.7, 2.71, 0.003), (2.71, 2.72, 0.003)))
+    assert _jump(t, 2) is None

@@ -45,6 +45,9 @@ UPDATE_RATIO_TARGET = 1e-3
 UPDATE_JUMP = 0.5
 #: ... and, after the first step, grew their norm this much in one step
 JUMP_GROWTH = 10.0
+#: ... and it is one of the last this many applied steps before the failure (a group whose small
+#: initial weights a healthy first update outgrew, long before an unrelated failure, is no cause)
+JUMP_LOOKBACK = 3
 #: a stall: the update left this share of a low-precision group's elements unchanged
 UNCHANGED = 0.5
 #: logits this large make a softmax one-hot (e^-100) and its gradient vanish; Wortsman et al.
@@ -365,24 +368,33 @@ def _finding_for(ctx: Context, ex: Explanation, message: str, evidence: list[str
 
 
 def _jump(trace: Trace, before: int) -> tuple[int, GroupSignal, float, float | None] | None:
-    """The last applied optimizer step before ``before``, when it replaced some group's weights
-    by its update: (step, the group's signals, the update ratio, the weights' norm before)."""
+    """The first of the last JUMP_LOOKBACK applied optimizer steps before ``before`` that
+    replaced some group's weights by its update (its ratio at least UPDATE_JUMP, the weights' norm grown JUMP_GROWTH x from
+    before it) where no later step brought them back within JUMP_GROWTH x of that norm (the
+    failure computed with the weights it wrote): (step, the group's signals, the update ratio,
+    the weights' norm before). A weight norm before the step that is zero (a zero-initialised
+    group's first update has ratio 1) is no jump."""
     steps = sorted((st for st in trace.signals if st.step < before), key=lambda st: st.step)
-    if not steps:
-        return None
-    last = steps[-1]
-    prior = {g.group: g.weight_norm for g in steps[-2].groups} if len(steps) > 1 else {}
-    for g in last.groups:
-        r = g.update_ratio
-        if r is None or not math.isfinite(r) or r < UPDATE_JUMP:
+    for i, st in enumerate(steps):
+        if i < len(steps) - JUMP_LOOKBACK:
             continue
-        was = prior.get(g.group)
-        if last.step > 0 and not (was and g.weight_norm and math.isfinite(g.weight_norm)
-                                  and g.weight_norm >= JUMP_GROWTH * was):
-            continue  # (without an earlier norm, the first step's ratio alone decides)
-        if last.step == 0 and before > 1:
-            continue  # a zero-initialised group's first update has ratio 1: only its next step
-        return last.step, g, r, was
+        prior = {g.group: g.weight_norm for g in steps[i - 1].groups} if i else {}
+        for g in st.groups:
+            r = g.update_ratio
+            if r is None or not math.isfinite(r) or r < UPDATE_JUMP:
+                continue
+            was = g.weight_norm_before if g.weight_norm_before is not None else \
+                prior.get(g.group)
+            if was is None and st.step == 0 and before == 1 and i == len(steps) - 1:
+                return st.step, g, r, None  # (an older report: the first step's ratio alone)
+            if not (was and g.weight_norm and math.isfinite(g.weight_norm)
+                    and g.weight_norm >= JUMP_GROWTH * was):
+                continue
+            later = [h.weight_norm for s2 in steps[i + 1:] for h in s2.groups
+                     if h.group == g.group and h.weight_norm is not None]
+            if any(n < JUMP_GROWTH * was for n in later):
+                continue  # brought back since: the failure did not compute with these
+            return st.step, g, r, was
     return None
 
 
