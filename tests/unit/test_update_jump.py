@@ -134,3 +134,52 @@ def test_a_jump_two_steps_before_the_failure_is_the_step_that_wrote_the_weights(
     # healthy updates: none
     t = Trace(signals=_signals((2.7, 2.71, 0.003), (2.71, 2.72, 0.003)))
     assert _jump(t, 2) is None
+
+
+def test_a_small_initial_group_outgrown_by_a_healthy_first_update_is_no_jump():
+    """A LayerScale-style group initialised at 1e-5 (CaiT), in a param group of its own, with
+    AdamW at lr 1e-3: its first update replaces its tiny weights (ratio 1, 5.7e-5 -> 5.6e-3),
+    as designed. An unrelated input spike at step 2 overflows the LayerNorm: that overflow is
+    the diagnosis, not the learning rate (the group's new weights are far below the model's)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.ln, self.b = nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 1)
+            self.gamma = nn.Parameter(1e-5 * torch.ones(32))
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(h + self.gamma * nn.functional.gelu(self.ln(h)))
+
+    torch.manual_seed(0)
+    m = Net()
+    decay = [p for n, p in m.named_parameters() if n != "gamma"]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": [m.gamma], "weight_decay": 0.0}],
+                            lr=1e-3)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    with nanhunt.watch(m, opt) as hunt:
+        for step in range(4):
+            loss = nn.functional.mse_loss(m(x * 1e25 if step == 2 else x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    trace = analyse(hunt.trace(), hunt.snapshot)
+    gamma = trace.signals[0].groups[1]
+    assert gamma.update_ratio > 0.5 and gamma.weight_norm > 10 * gamma.weight_norm_before
+    assert (trace.first_failure.step, trace.first_failure.module) == (2, "ln")
+    assert trace.diagnosis.rule != "update-jump" and trace.diagnosis.kind != "lr_too_high"
+
+
+def test_an_update_that_followed_an_exploded_gradient_is_the_gradients_doing():
+    """SGD at lr 0.2 after GradScaler skipped every earlier step: the one applied step's
+    gradient (norm 6835) dwarfs the weights (36) and the update (1367) follows it; that is an
+    exploding gradient (clipping answers it), not a learning rate that replaced the weights."""
+    from nanhunt.analyse.diagnose.curves import _jump
+    from nanhunt.trace import GroupSignal, SignalStep, Trace
+
+    g = GroupSignal(group="SGD[0]", weight_norm_before=36.1, weight_norm=1367.6,
+                    update_norm=1367.0, grad_norm=6835.2, lr=0.2)
+    assert _jump(Trace(signals=[SignalStep(12, [g])]), 13) is None
+    g.grad_norm = 3.0  # the same update from an ordinary gradient: the lr made it
+    assert _jump(Trace(signals=[SignalStep(12, [g])]), 13) is not None

@@ -368,34 +368,48 @@ def _finding_for(ctx: Context, ex: Explanation, message: str, evidence: list[str
 
 
 def _jump(trace: Trace, before: int) -> tuple[int, GroupSignal, float, float | None] | None:
-    """The first of the last JUMP_LOOKBACK applied optimizer steps before ``before`` that
-    replaced some group's weights by its update (its ratio at least UPDATE_JUMP, the weights' norm grown JUMP_GROWTH x from
-    before it) where no later step brought them back within JUMP_GROWTH x of that norm (the
-    failure computed with the weights it wrote): (step, the group's signals, the update ratio,
-    the weights' norm before). A weight norm before the step that is zero (a zero-initialised
-    group's first update has ratio 1) is no jump."""
+    """The first of the last JUMP_LOOKBACK applied optimizer steps before ``before`` whose
+    update replaced some group's weights, where no later step brought them back within
+    JUMP_GROWTH x of their norm before it (the failure computed with the weights it wrote):
+    (step, the group's signals, the update ratio, the weights' norm before).
+
+    Replaced: the update is at least UPDATE_JUMP of the weights' norm after it, and that norm
+    grew JUMP_GROWTH x from the weights' norm before the step, to JUMP_GROWTH x the largest
+    weight norm any group had before it (a group of tiny weights, a LayerScale's 1e-5, that a
+    healthy first update outgrew is no jump; nor is a zero-initialised one) - from gradients no
+    larger than JUMP_GROWTH x those weights (a gradient that dwarfs the weights exploded: that
+    is the gradient's doing, which clipping answers, not the learning rate's)."""
     steps = sorted((st for st in trace.signals if st.step < before), key=lambda st: st.step)
     for i, st in enumerate(steps):
         if i < len(steps) - JUMP_LOOKBACK:
             continue
         prior = {g.group: g.weight_norm for g in steps[i - 1].groups} if i else {}
+        largest = max((_before(g, prior) or 0.0 for g in st.groups), default=0.0)
         for g in st.groups:
             r = g.update_ratio
             if r is None or not math.isfinite(r) or r < UPDATE_JUMP:
                 continue
-            was = g.weight_norm_before if g.weight_norm_before is not None else \
-                prior.get(g.group)
+            was = _before(g, prior)
             if was is None and st.step == 0 and before == 1 and i == len(steps) - 1:
                 return st.step, g, r, None  # (an older report: the first step's ratio alone)
             if not (was and g.weight_norm and math.isfinite(g.weight_norm)
-                    and g.weight_norm >= JUMP_GROWTH * was):
+                    and g.weight_norm >= JUMP_GROWTH * max(was, largest)):
                 continue
+            if g.grad_norm is not None and math.isfinite(g.grad_norm) and \
+                    g.grad_norm > JUMP_GROWTH * was:
+                continue  # the gradient exploded, and the update followed it
             later = [h.weight_norm for s2 in steps[i + 1:] for h in s2.groups
                      if h.group == g.group and h.weight_norm is not None]
             if any(n < JUMP_GROWTH * was for n in later):
                 continue  # brought back since: the failure did not compute with these
             return st.step, g, r, was
     return None
+
+
+def _before(g: GroupSignal, prior: dict[str, float | None]) -> float | None:
+    """A group's weight norm before a step: measured (``weight_norm_before``), else the norm
+    the step before left (a report older than that signal)."""
+    return g.weight_norm_before if g.weight_norm_before is not None else prior.get(g.group)
 
 
 @rule(id="update-jump", kind="lr_too_high", needs=("first_failure",))
