@@ -57,6 +57,8 @@ _TERM_GRACE_WRITING = 20.0
 _TERM_GRACE = 2.0
 _POLL = 0.05
 _LAUNCHER_ENV = "NANHUNT_LAUNCHER"  # set for the workers of `nanhunt diagnose --nproc-per-node`
+#: seconds rank 0 gives a re-run of the job to stop (under torchrun's 30 s to SIGKILL)
+RANK0_STOP_GRACE = 15.0
 
 
 def launcher_continues(trace: Trace, *, verify: bool) -> bool:
@@ -466,7 +468,7 @@ class RankContext:
         with (:func:`launcher_continues`): it prints the summary after that, not rank 0."""
         return bool(os.environ.get(_LAUNCHER_ENV)) and launcher_continues(trace, verify=verify)
 
-    def job_reruns(self, rerun: Any) -> Any:
+    def job_reruns(self, rerun: Any, trace: Trace | None = None) -> Any:
         """How the process that writes the merged report re-runs the whole job, for the
         experiments and a locating re-run (``rerun``: the run's
         :class:`~nanhunt.experiment.verify.RerunConfig`, returned changed):
@@ -477,19 +479,38 @@ class RankContext:
           where every rank runs on this machine, re-runs the job under a torchrun of its own
           (``nproc``), in an environment without this job's rendezvous (:func:`job_env`); the
           other ranks have exited by then (0 after a problem: :meth:`exit_code`);
-        - a job on several machines is not re-run (``not_rerun`` says why);
-        - under ``nanhunt diagnose --nproc-per-node`` the launcher re-runs it (unchanged)."""
+        - a job on several machines, or one torchrun is stopping (a rank crashed, or exited with
+          an error: torchrun then stops every rank, rank 0 and its re-runs included), is not
+          re-run (``not_rerun`` says why);
+        - under ``nanhunt diagnose --nproc-per-node`` the launcher re-runs it (unchanged).
+
+        Rank 0's re-runs stop within :data:`RANK0_STOP_GRACE` s of a signal, under the 30 s
+        torchrun gives a worker between SIGTERM and SIGKILL."""
         if self.workers is not None:
             return dataclasses.replace(rerun, workers=self.workers[0])
         if self.world_size <= 1 or os.environ.get(_LAUNCHER_ENV):
             return rerun
-        local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        if local != str(self.world_size):
-            return dataclasses.replace(rerun, not_rerun=(
-                f"its {self.world_size} ranks run on several machines (LOCAL_WORLD_SIZE "
-                f"{local or 'unset'}); nanhunt re-runs a job only where all its ranks run on "
-                "one machine"))
-        return dataclasses.replace(rerun, nproc=self.world_size, env=job_env(rerun.env))
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local is None:
+            why = ("it was not started by torchrun (LOCAL_WORLD_SIZE is unset), so nanhunt "
+                   "cannot tell whether all its ranks run on this machine")
+        elif local != str(self.world_size):
+            why = (f"its {self.world_size} ranks run on several machines (LOCAL_WORLD_SIZE "
+                   f"{local}); nanhunt re-runs a job only where all its ranks run on one")
+        elif self.terminated_at is not None:
+            why = "torchrun was stopping the job (SIGTERM) when its report was made"
+        else:
+            ended = [r for r in (trace.ranks if trace is not None else [])
+                     if not r.answered or r.status in _ENDED]
+            why = "" if not ended else (
+                f"rank {ended[0].rank} " + ("did not answer" if not ended[0].answered else
+                                            ended[0].status)
+                + ": torchrun stops every rank once one ends with an error, rank 0 and its "
+                "re-runs included (nanhunt diagnose --nproc-per-node N re-runs such a job)")
+        if why:
+            return dataclasses.replace(rerun, not_rerun=why)
+        return dataclasses.replace(rerun, nproc=self.world_size, env=job_env(rerun.env),
+                                   stop_grace=RANK0_STOP_GRACE)
 
     @property
     def writes_report(self) -> bool:

@@ -5,8 +5,11 @@ Each stage is guarded: a stage that fails leaves a note in the report instead of
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -157,11 +160,20 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
     launcher = distributed and bool(_guard(
         trace, "deciding what the launcher does next", ctx.leaves_summary_to_launcher, trace,
         verify=rerun is not None and rerun.tries > 0))
+    stop_on_term = False
     if distributed and rerun is not None and not launcher:
         # the job re-run by this process: rank 0 of a torchrun job nanhunt did not launch, or the
         # parent of workers the script starts
-        rerun = _guard(trace, "preparing the job's re-runs", ctx.job_reruns, rerun) or rerun
-        if locate is not None and rerun.processes and needs_locating(trace) and \
+        rerun = _guard(trace, "preparing the job's re-runs", ctx.job_reruns, rerun, trace) \
+            or rerun
+        if rerun.processes and rerun.tries > 0 and not (ctrl_c is not None and ctrl_c.pressed):
+            # the merged report now, in case the re-runs are cut off (torchrun kills rank 0 30 s
+            # after its SIGTERM); rewritten after them
+            _write(trace, out_dir, write_reports, ("json",))
+        stop_on_term = bool(rerun.nproc)  # rank 0 under torchrun: its SIGTERM stops the re-runs
+    with _sigterm_interrupts(stop_on_term):
+        if distributed and rerun is not None and not launcher and locate is not None and \
+                rerun.processes and needs_locating(trace) and \
                 trace.run.status != "interrupted" and not (ctrl_c is not None and ctrl_c.pressed):
             if ctrl_c is not None:
                 ctrl_c.raising = True
@@ -171,16 +183,16 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
             finally:
                 if ctrl_c is not None:
                     ctrl_c.raising = False
-    if rerun is not None and not launcher and not (ctrl_c is not None and ctrl_c.pressed):
-        from nanhunt.experiment.verify import verify_by_rerun
+        if rerun is not None and not launcher and not (ctrl_c is not None and ctrl_c.pressed):
+            from nanhunt.experiment.verify import verify_by_rerun
 
-        if ctrl_c is not None:
-            ctrl_c.raising = True  # Ctrl-C stops verification; it keeps what it found
-        try:
-            _guard(trace, "re-run verification", verify_by_rerun, trace, rerun, out_dir)
-        finally:
             if ctrl_c is not None:
-                ctrl_c.raising = False
+                ctrl_c.raising = True  # Ctrl-C stops verification; it keeps what it found
+            try:
+                _guard(trace, "re-run verification", verify_by_rerun, trace, rerun, out_dir)
+            finally:
+                if ctrl_c is not None:
+                    ctrl_c.raising = False
     paths = _write(trace, out_dir, write_reports, ("json",) if run.rerun else None)
     if launcher:
         quiet = True
@@ -195,6 +207,25 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
     if ctrl_c is not None and ctrl_c.pressed:
         raise KeyboardInterrupt  # the CLI says so in one line and exits 130
     return trace
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts(enabled: bool) -> Any:
+    """While rank 0 of a torchrun job re-runs it: SIGTERM (torchrun stopping the job, Ctrl-C at
+    its terminal) stops the re-runs as Ctrl-C does, so that the report is written before the
+    SIGKILL that follows 30 s later."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _write(trace: Trace, out_dir: Path, write_reports: Any,
@@ -232,14 +263,24 @@ def _rank_and_world() -> tuple[int, int]:
 def locate_command(trace: Trace, world: int) -> str:
     """The command that names the layer of a step the sentinel could not replay on a sharded
     model: the job under ``nanhunt diagnose``, traced in full up to that step (the script's own
-    sentinel stands aside there)."""
+    sentinel stands aside there). A torchrun job on one machine gets ``--nproc-per-node``; on
+    several, torchrun's own launch with nanhunt where the script goes; a script that starts its
+    own workers (no torchrun) is run as a script, which starts them."""
     import shlex
 
     f = trace.first_failure
     assert f is not None
-    nproc = ["--nproc-per-node", str(world)] if world > 1 else []
-    return shlex.join(["nanhunt", "diagnose", *nproc, "--max-steps", str(f.step + 1),
-                       "--verify", "0", *sys.argv])
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    target = (["-m", spec.name.removesuffix(".__main__")] if spec is not None and spec.name
+              not in ("__main__", "__mp_main__") else sys.argv[:1]) + sys.argv[1:]
+    ours = ["--max-steps", str(f.step + 1), "--verify", "0"]
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if world > 1 and local is not None and local != str(world):
+        return ("torchrun [your job's options] -m nanhunt diagnose "
+                + shlex.join([*ours, *target]))
+    nproc = ["--nproc-per-node", str(world)] if world > 1 and local is not None else []
+    return shlex.join(["nanhunt", "diagnose", *nproc, *ours, *target])
 
 
 def _sentinel_report(sentinel: Any) -> None:

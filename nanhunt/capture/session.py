@@ -75,8 +75,9 @@ class Session:
     #: the session ``nanhunt diagnose`` runs the script under: a session the script starts
     #: itself (``nanhunt.sentinel``, ``nanhunt.watch``, a callback's) stands aside under it
     owns_process = False
-    #: this session stood aside for the CLI's (it installed nothing and records nothing)
-    aside = False
+    #: the CLI's session this one stood aside for (it installs nothing and records nothing;
+    #: its ``first_failure`` is that session's); False when it did not
+    aside: Any = False
 
     def __init__(
         self,
@@ -217,6 +218,8 @@ class Session:
 
     @property
     def first_failure(self) -> Failure | None:
+        if self.aside is not False:  # the CLI's session's: what the script asks, it answers
+            return self.aside.first_failure
         # a failure on a step sampled mode did not trace, until (unless) a traced step fails
         return self.judge.first_failure or self.judge.untraced_failure
 
@@ -250,7 +253,7 @@ class Session:
             if _ACTIVE is not None and _ACTIVE.owns_process and not self.owns_process:
                 # the script's own session under nanhunt diagnose: the CLI's traces every step
                 # already; this one installs nothing, and the script runs as under python
-                self.aside = True
+                self.aside = _ACTIVE
                 _ACTIVE.stood_aside.append(type(self).__name__)
                 return self
             if _ACTIVE is not None:
@@ -511,6 +514,9 @@ class Session:
         notes = [f"nanhunt stopped tracing after an internal error: {e}"
                  for e in self.internal_errors] + notes_extra
         compiled = sorted(getattr(getattr(self, "modules", None), "compiled", ()))
+        if self.aside is not False:
+            notes.append("this session stood aside under nanhunt diagnose and recorded nothing: "
+                         "nanhunt diagnose's own report has the run (first_failure is its)")
         for kind in dict.fromkeys(self.stood_aside):
             what = {"Sentinel": "a Sentinel: nanhunt.sentinel, or a callback in sentinel mode",
                     "Hunt": "a Hunt: nanhunt.watch, or a callback"}.get(kind, kind)

@@ -241,11 +241,15 @@ def locate(trace: Trace, nproc: int, argv: list[str], out_dir: Path, *,
             rc = proc.wait()
         except KeyboardInterrupt:
             proc.send_signal(signal.SIGTERM)
-            proc.wait()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             raise
     located = _read_report(out / "report.json", newer_than=started - 1) or \
         merge_rank_files(out, nproc, newer_than=started - 1)
-    adopt_located(trace, located, f"exit status {rc}", nproc)
+    adopt_located(trace, located, f"exit status {rc}", nproc, spawned=spawned)
 
 
 def locate_guarded(trace: Trace, run: Any) -> bool:
@@ -273,14 +277,17 @@ def locate_job(trace: Trace, cfg: Any, out_dir: Path) -> bool:
         spawned=cfg.workers is not None))
 
 
-def adopt_located(trace: Trace, located: Trace | None, ended: str, nproc: int) -> None:
+def adopt_located(trace: Trace, located: Trace | None, ended: str, nproc: int, *,
+                  spawned: bool = False) -> None:
     """Where the locating re-run failed at the sentinel's step with an observed origin, its
     origin, diagnosis, recommendations and module table become the report's; otherwise the
     report keeps the sentinel's and says what the re-run found."""
     f = trace.first_failure
     assert f is not None
-    how = (f"a full-tracing re-run of steps 0-{f.step} under torchrun on {nproc} processes "
-           f"(files redirected to {LOCATE_DIR}/files; its report in {LOCATE_DIR}/report.json)")
+    how = (f"a full-tracing re-run of steps 0-{f.step} "
+           + (f"of the script, which starts its {nproc} workers " if spawned else
+              f"under torchrun on {nproc} processes ")
+           + f"(files redirected to {LOCATE_DIR}/files; its report in {LOCATE_DIR}/report.json)")
     g = located.first_failure if located is not None else None
     if located is None or g is None or g.step != f.step or not g.observed:
         found = ("wrote no report (" + ended + ")" if located is None else

@@ -111,6 +111,9 @@ class RerunConfig:
     workers: int | None = None
     #: why this multi-process job cannot be re-run (a job on several machines)
     not_rerun: str | None = None
+    #: seconds a stopped re-run gets before it is killed (default: 40 for a multi-process
+    #: job, 5 otherwise)
+    stop_grace: float | None = None
 
     @property
     def processes(self) -> int | None:
@@ -359,7 +362,8 @@ class _Pool:
         self.cfg, self.jobs, self.steps, self.progress = cfg, jobs, steps, progress
         self.deadline = deadline
         self.servers: list[_Server | None] = [None] * jobs
-        self.grace = 40.0 if cfg.processes else 5.0  # before a stopped re-run is killed
+        # before a stopped re-run is killed
+        self.grace = cfg.stop_grace or (40.0 if cfg.processes else 5.0)
         self.startup = 0.0
         self.durations: list[float] = []
 

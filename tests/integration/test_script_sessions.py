@@ -42,6 +42,9 @@ def prefetch(cli) -> dict:
         files = {"train.py": SCRIPT.format(api=api, options=options)}
         runs[name, "nanhunt"] = cli.submit_with_files(files, "diagnose", "--quiet", "train.py")
         runs[name, "python"] = cli.python_with_files(files, "train.py")
+    files = {"train.py": SCRIPT.format(api="watch", options="")}
+    runs["watch", "keep-going"] = cli.submit_with_files(files, "diagnose", "--quiet",
+                                                        "--keep-going", "train.py")
     return runs
 
 
@@ -62,6 +65,19 @@ def test_the_scripts_own_session_stands_aside_under_the_cli(cli, name):
     assert python_lines[12].startswith("12 nan")
     # the script's own session wrote nothing (its report folder is not made)
     assert not (run.cwd / "own-report").exists()
+
+
+def test_the_scripts_session_answers_with_the_clis_first_failure(cli):
+    """Under --keep-going the script runs to its end: every line it prints is python's, and its
+    own session's first_failure, read after the loop, is the one nanhunt diagnose found (a
+    script that decides on it, to stop or not to save a checkpoint, decides as under python)."""
+    runs = prefetch(cli)
+    run, plain = runs["watch", "keep-going"].result(), runs["watch", "python"].result()
+    assert run.returncode == 1, run.stderr
+    ours, theirs = run.stdout.splitlines(), plain.stdout.splitlines()
+    assert ours[:-1] == theirs[:-1] and len(ours) == 21  # 20 steps, bit for bit
+    assert theirs[-1].startswith("after step 12 / data / ")
+    assert ours[-1] == "after step 12 / data / model / input[0]"  # the CLI's names
 
 
 @pytest.mark.slow

@@ -100,14 +100,30 @@ def test_who_re_runs_a_multi_process_job_and_in_what_environment(monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("NANHUNT_LAUNCHER", raising=False)
     cfg = RerunConfig(script="t.py", module=None, args=[], cwd=".", env=dict(torchrun_env))
+    from nanhunt.trace import RankSummary
+
     rank0 = RankContext(rank=0, world_size=2)
-    mine = rank0.job_reruns(cfg)
+    both = Trace(ranks=[RankSummary(0, status="stopped"), RankSummary(1, status="stopped")])
+    mine = rank0.job_reruns(cfg, both)
     assert (mine.nproc, mine.workers, mine.processes, mine.not_rerun) == (2, None, 2, None)
     assert mine.env == {"OMP_NUM_THREADS": "1", "PATH": "/bin"}
+    assert mine.stop_grace is not None and mine.stop_grace < 30  # torchrun's SIGKILL delay
     assert cfg.env == torchrun_env  # the run's own config is not changed
+    # a rank that crashed: torchrun is stopping every rank, rank 0 with its re-runs
+    crashed = Trace(ranks=[RankSummary(0, status="stopped"),
+                           RankSummary(1, status="crashed", error="RuntimeError: x")])
+    refused = rank0.job_reruns(cfg, crashed)
+    assert refused.processes is None and refused.not_rerun.startswith("rank 1 crashed")
+    silent = Trace(ranks=[RankSummary(0), RankSummary(1, answered=False, status="no answer")])
+    assert "rank 1 did not answer" in rank0.job_reruns(cfg, silent).not_rerun
+    rank0.terminated_at = 1.0  # torchrun's SIGTERM came while the report was made
+    assert "SIGTERM" in rank0.job_reruns(cfg, both).not_rerun
+    rank0.terminated_at = None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per machine
-    far = rank0.job_reruns(cfg)
+    far = rank0.job_reruns(cfg, both)
     assert far.processes is None and "several machines" in far.not_rerun
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # srun, mpirun: not torchrun
+    assert "not started by torchrun" in rank0.job_reruns(cfg, both).not_rerun
     monkeypatch.setenv("NANHUNT_LAUNCHER", "1")  # the launcher re-runs it
     assert rank0.job_reruns(cfg) is cfg
     parent = RankContext()
@@ -115,3 +131,31 @@ def test_who_re_runs_a_multi_process_job_and_in_what_environment(monkeypatch):
     spawned = parent.job_reruns(cfg)
     assert (spawned.workers, spawned.nproc, spawned.processes) == (3, None, 3)
     assert RankContext().job_reruns(cfg) is cfg  # one process
+
+
+def test_the_in_script_sentinels_command_fits_how_the_job_was_started(monkeypatch):
+    """torchrun on one machine: --nproc-per-node; on several: torchrun's own launch with nanhunt;
+    workers a script starts itself (no torchrun environment): the script alone, which starts
+    them; a module run with -m stays one."""
+    import shlex
+    import sys
+    import types
+
+    from nanhunt.pipeline import locate_command
+
+    t = _sentinel_trace()  # step 3
+    monkeypatch.setattr(sys, "argv", ["train.py", "--lr", "1"])
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert shlex.split(locate_command(t, 2)) == [
+        "nanhunt", "diagnose", "--nproc-per-node", "2", "--max-steps", "4", "--verify", "0",
+        "train.py", "--lr", "1"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert locate_command(t, 2).startswith("torchrun [your job's options] -m nanhunt diagnose")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert shlex.split(locate_command(t, 2))[:4] == ["nanhunt", "diagnose", "--max-steps", "4"]
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="pkg.train")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", ["/src/pkg/train.py", "--lr", "1"])
+    assert shlex.split(locate_command(t, 1))[-4:] == ["-m", "pkg.train", "--lr", "1"]
