@@ -824,3 +824,33 @@ def test_the_sentinel_in_a_sharded_script_reports_each_rank_and_the_command_that
     assert (ff["rank"], ff["step"], ff["phase"], ff["module"], ff["tensor"]) == (
         1, 2, "forward", "2", "output")
     assert any("stood aside" in n for n in report["notes"])
+
+
+@pytest.mark.slow
+def test_stopping_the_users_torchrun_during_rank_0s_reruns_keeps_the_report(tmp_path):
+    """Ctrl-C at the user's torchrun while rank 0 re-runs the job: torchrun SIGTERMs rank 0,
+    which stops its re-runs as Ctrl-C does and writes the report (with what it found) well
+    within the 30 s torchrun gives it before SIGKILL."""
+    cmd = _torchrun("--out", "out", "--verify", "4", str(EXAMPLES / "ddp_nan_batch.py"),
+                    "--nan-rank", "1", "--nan-step", "2")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", NANHUNT_RANK_TIMEOUT="30"))
+    try:
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "out" / "reruns" / "control").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no re-run started"
+            time.sleep(0.2)
+        time.sleep(2)
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert took < 25, err  # before torchrun's SIGKILL (30 s after its SIGTERM)
+    report = _report(tmp_path / "out")
+    assert report["verification"]["interrupted"] is True
+    assert "interrupted" in report["verification"]["note"]
+    assert (report["first_failure"]["rank"], report["first_failure"]["step"]) == (1, 2)
