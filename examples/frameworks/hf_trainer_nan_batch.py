@@ -2,7 +2,9 @@
 
 The Trainer shuffles, so which step meets the sample depends on its sampler: the dataset prints
 each sample index as the Trainer fetches it, and the step is the fetch position of sample 21
-divided by (batch size x gradient_accumulation_steps). With ``bf16=True`` on CPU the run trains
+divided by (batch size x gradient_accumulation_steps). Under torchrun (the Trainer wraps the
+model in DDP over gloo on CPU) each rank fetches its own samples and the line ends with its
+rank. With ``bf16=True`` on CPU the run trains
 under bfloat16 autocast: target bfloat16. The Trainer's log shows that step's loss as the
 substitute ``logging_nan_inf_filter`` puts in (``'loss': '0'`` early in a run), while the
 gradient norm is nan.
@@ -20,6 +22,7 @@ from the parameters), ``--tensorboard DIR``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -43,7 +46,10 @@ class Samples(Dataset):
         return N
 
     def __getitem__(self, i: int) -> dict:
-        print(f"fetch {i}", file=sys.stderr)
+        # under torchrun each rank fetches its own shard of the samples: the line says whose
+        rank = f" rank {os.environ['RANK']}" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        # (one write a line: two ranks share the pipe, and print writes the newline apart)
+        sys.stderr.write(f"fetch {i}{rank}\n")
         if self.kind == "bert":  # the NaN rides in on the float inputs_embeds
             emb = torch.randn(8, 32, generator=torch.Generator().manual_seed(i))
             if i == BAD_SAMPLE:

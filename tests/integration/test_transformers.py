@@ -175,3 +175,58 @@ def test_a_crash_inside_train_still_writes_the_report(cli):
     rep = json.loads((tmp_path / "report" / "report.json").read_text())
     assert rep["run"]["status"] == "crashed"
     assert [s["index"] for s in rep["steps"]][:2] == [0, 1]
+
+
+def _torchrun_hf(cwd: Path, *nanhunt: str, extra: tuple[str, ...] = ()) -> tuple:
+    """The example under torchrun, 2 ranks (the Trainer's DDP over gloo): plain, with the
+    callback (``--callback cb``), or under ``-m nanhunt diagnose`` (``nanhunt`` options)."""
+    import os
+    import signal
+
+    target = ["-m", "nanhunt", "diagnose", *nanhunt, str(SCRIPT)] if nanhunt else [str(SCRIPT)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", *target, "--output-dir", str(cwd / "hf"), *extra]
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", NANHUNT_RANK_TIMEOUT="30"))
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:  # pragma: no cover - the failure being tested
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"hung: {cmd}\n{err}")
+    fetched: dict[int, list[int]] = {0: [], 1: []}
+    for i, r in re.findall(r"^fetch (\d+) rank (\d)$", err, flags=re.M):
+        fetched[int(r)].append(int(i))
+    return proc, fetched
+
+
+@pytest.mark.slow
+def test_the_callback_under_ddp_names_the_rank_that_fetched_the_bad_sample(tmp_path):
+    """The HF Trainer under torchrun (DDP over gloo, 2 ranks) with NanhuntCallback: the merged
+    report names the rank whose shard held the NaN sample and the step it fetched it at (from
+    the script's own per-rank record of the fetch order), both ranks stop after that step, and
+    the same script under ``torchrun -m nanhunt diagnose`` (the callback standing aside) gives
+    the same answer."""
+    proc, fetched = _torchrun_hf(tmp_path, extra=("--callback", "cb"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank = next(r for r, ids in fetched.items() if BAD_SAMPLE in ids)
+    step = fetched[rank].index(BAD_SAMPLE) // BATCH
+    report = json.loads((tmp_path / "cb" / "report.json").read_text())
+    ff = report["first_failure"]
+    assert (ff["rank"], ff["step"], ff["phase"], ff["tensor"]) == (rank, step, "data",
+                                                                    "input['x']")
+    assert report["run"]["world_size"] == 2
+    assert [(r["rank"], r["status"], len(r["steps"])) for r in report["ranks"]] == [
+        (0, "stopped", step + 1), (1, "stopped", step + 1)]
+    cli_dir = tmp_path / "cli"
+    cli_dir.mkdir()
+    proc, fetched_cli = _torchrun_hf(cli_dir, "--quiet", "--verify", "0",
+                                     extra=("--callback", "cb"))
+    assert fetched_cli == fetched  # the same samples in the same order on each rank
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert not (cli_dir / "cb").exists()
+    cli = json.loads((cli_dir / "nanhunt-report" / "report.json").read_text())
+    g = cli["first_failure"]
+    assert (g["rank"], g["step"], g["phase"], g["tensor"]) == (rank, step, "data", "input['x']")
+    assert any("stood aside" in n for n in cli["notes"])
