@@ -19,7 +19,7 @@ one per thread of this process): each run is a child forked from a process that 
 and nanhunt once, in its own process group, its own folder and environment, with ``sys.argv`` and
 ``sys.path[0]`` as ``python -m nanhunt`` sets them, so a run costs its script and no import.
 ``NANHUNT_TEST_FORK=0`` runs each as a fresh process instead; the tests of the launchers
-themselves (``nanhunt_cmd``, the console script, the pseudo-terminal, Ctrl-C) always do.
+themselves (the launchers, the console script, the pseudo-terminal, Ctrl-C) always do.
 
 ``nanhunt diagnose`` gets ``--verify 0`` (no re-run verification) unless ``verify=True``: the
 re-runs cost up to four more runs of the script, and only the tests about verification need
@@ -60,11 +60,6 @@ def _launchers() -> list[list[str]]:
     if exe:
         found.insert(0, [exe])
     return found
-
-
-@pytest.fixture(params=_launchers(), ids=lambda c: "console-script" if len(c) == 1 else "-m")
-def nanhunt_cmd(request):
-    return request.param
 
 
 class Result:
@@ -108,7 +103,7 @@ def _with_verify(args: Sequence[str], verify: bool) -> tuple[str, ...]:
 class CliRuns:
     """One run per distinct command, shared by the whole session (see the module docstring)."""
 
-    launchers = staticmethod(_launchers)  # what the nanhunt_cmd fixture is parametrized over
+    launchers = staticmethod(_launchers)  # the console script (where installed), python -m nanhunt
     env = staticmethod(cli_env)
 
     def __init__(self, base: Path, jobs: int = JOBS) -> None:

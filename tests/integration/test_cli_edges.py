@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from clirun import interruptible
+from clirun import interruptible, run_nanhunt
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -86,8 +86,7 @@ def test_importing_the_package_does_not_import_torch_until_it_is_used(tmp_path):
 def test_missing_module_is_a_one_line_usage_error(tmp_path, module, message):
     (tmp_path / "realpkg").mkdir()
     (tmp_path / "realpkg" / "__init__.py").write_text("")
-    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "-m", module],
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    proc = run_nanhunt(["diagnose", "-m", module], tmp_path, env=ENV, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == f"nanhunt: {message}"
     assert not (tmp_path / "nanhunt-report").exists()
@@ -97,8 +96,8 @@ def test_an_import_error_inside_the_users_module_is_still_their_crash(tmp_path):
     (tmp_path / "brokenpkg").mkdir()
     (tmp_path / "brokenpkg" / "__init__.py").write_text("import not_installed_dep_xyz\n")
     (tmp_path / "brokenpkg" / "train.py").write_text("print('hi')\n")
-    proc = subprocess.run([sys.executable, "-m", "nanhunt", "diagnose", "-m", "brokenpkg.train"],
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    # (through the fork server: python -m nanhunt with torch imported already)
+    proc = run_nanhunt(["diagnose", "-m", "brokenpkg.train"], tmp_path, env=ENV, timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert "ModuleNotFoundError: No module named 'not_installed_dep_xyz'" in proc.stderr
 
