@@ -90,6 +90,23 @@ def job_env(env: dict[str, str]) -> dict[str, str]:
             if k not in _WORKER_ENV and not k.startswith(("TORCHELASTIC_", "PET_"))}
 
 
+def process_age(pid: int) -> float | None:
+    """Seconds since process ``pid`` started (Linux's /proc; None elsewhere or when unreadable).
+
+    >>> age = process_age(os.getpid())
+    >>> age is None or 0 <= age < 3600
+    True
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command, which may hold ' '
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 _META_KEY = "nanhunt_rank"  # extra top-level key of a rank file; Trace.from_dict ignores it
 _ENDED = ("crashed", "interrupted")
 _PHASE_ORDER = {phase: i for i, phase in enumerate(PHASES)}
@@ -509,8 +526,12 @@ class RankContext:
                 "re-runs included (nanhunt diagnose --nproc-per-node N re-runs such a job)")
         if why:
             return dataclasses.replace(rerun, not_rerun=why)
+        # the default budget is a multiple of the job's time: from torchrun's start (its agent
+        # is this rank's parent), which a re-run pays again, not from this rank's
+        age = process_age(os.getppid())
+        seconds = max(rerun.script_seconds or 0.0, age or 0.0) or rerun.script_seconds
         return dataclasses.replace(rerun, nproc=self.world_size, env=job_env(rerun.env),
-                                   stop_grace=RANK0_STOP_GRACE)
+                                   stop_grace=RANK0_STOP_GRACE, script_seconds=seconds)
 
     @property
     def writes_report(self) -> bool:

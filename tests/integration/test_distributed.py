@@ -33,6 +33,7 @@ from nanhunt.trace import Failure, Finding, RunInfo, StepRecord, TensorStats, Tr
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 HARD_TIMEOUT = 120  # seconds: a hang fails the test instead of the CI job
+EXPERIMENTS_TIMEOUT = 420  # ... for a job whose report waits for its re-runs (all -m slow)
 
 
 # ----------------------------------------------------------------------------- hand-built traces
@@ -338,18 +339,19 @@ def test_keep_going_runs_do_not_vote():
 # ----------------------------------------------------------------------------- real runs
 
 
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """``cmd`` in a process group of its own, killed whole if it outlives HARD_TIMEOUT (a hung
-    worker must not outlive the test)."""
+def _run(cmd: list[str], cwd: Path, timeout: float = HARD_TIMEOUT,
+         ) -> subprocess.CompletedProcess:
+    """``cmd`` in a process group of its own, killed whole if it outlives ``timeout`` (a hung
+    worker must not outlive the test; a job with its experiments gets EXPERIMENTS_TIMEOUT)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", NANHUNT_RANK_TIMEOUT="30", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=HARD_TIMEOUT)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:  # pragma: no cover - the failure being tested
         os.killpg(proc.pid, signal.SIGKILL)
         _out, err = proc.communicate()
-        pytest.fail(f"hung: {cmd} did not finish in {HARD_TIMEOUT} s\n{err}")
+        pytest.fail(f"hung: {cmd} did not finish in {timeout} s\n{err}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -373,7 +375,10 @@ def _torchrun(*args: str) -> list[str]:
 
 
 def _nanhunt(*args: str) -> list[str]:
-    return [sys.executable, "-m", "nanhunt", "diagnose", "--nproc-per-node", "2", *args]
+    """``nanhunt diagnose --nproc-per-node 2 args``: without experiments unless ``--verify`` is
+    given (the launcher re-runs the job for them)."""
+    verify = [] if "--verify" in args else ["--verify", "0"]
+    return [sys.executable, "-m", "nanhunt", "diagnose", "--nproc-per-node", "2", *verify, *args]
 
 
 def _report(path: Path) -> dict:
@@ -674,7 +679,7 @@ def test_a_compression_hook_that_overflows_is_found_in_the_communication_phase(t
     experiments: the control recurs, float32 everywhere trains, float32 in the model's modules
     alone does not (the hook still compresses), and the no-compression fix is verified."""
     proc = _run(_torchrun("--quiet", "--verify", "4", "--out", "out",
-                          str(SCRIPTS / "ddp_comm_hook.py")), tmp_path)
+                          str(SCRIPTS / "ddp_comm_hook.py")), tmp_path, EXPERIMENTS_TIMEOUT)
     report = _report(tmp_path / "out")
     ff = report["first_failure"]
     assert (ff["step"], ff["phase"], ff["module"], ff["tensor"]) == (
@@ -777,8 +782,8 @@ def test_a_torchrun_job_gets_its_experiments_as_torchrun_reruns(tmp_path):
     a NaN in one sample of rank 1's batch at step 2 recurs in the control, in float32 and at
     lower learning rates, and goes with that sample replaced; the data fix is verified by that
     re-run, and the terminal shows one summary, after the experiments."""
-    proc = _run(_nanhunt("--out", "out", str(EXAMPLES / "ddp_nan_batch.py"), "--nan-rank", "1",
-                         "--nan-step", "2"), tmp_path)
+    proc = _run(_nanhunt("--out", "out", "--verify", "4", str(EXAMPLES / "ddp_nan_batch.py"),
+                         "--nan-rank", "1", "--nan-step", "2"), tmp_path, EXPERIMENTS_TIMEOUT)
     assert proc.returncode == 1, proc.stderr
     report = _report(tmp_path / "out")
     ex = report["experiments"]
