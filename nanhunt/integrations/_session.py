@@ -177,7 +177,7 @@ class CallbackSession:
         self._run.target_source = "option" if self.target else (target_source if chosen else "")
         self._run.world_size = world_size
         self.hunt.start()
-        if self.hunt.aside is not False:  # under nanhunt diagnose, whose session traces this process
+        if self.hunt.aside is not False:  # under nanhunt diagnose, whose session traces it
             self.hunt = None
             return
         if self.auditing:
