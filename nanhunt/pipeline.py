@@ -160,10 +160,11 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
     launcher = distributed and bool(_guard(
         trace, "deciding what the launcher does next", ctx.leaves_summary_to_launcher, trace,
         verify=rerun is not None and rerun.tries > 0))
+    # a multi-process job re-run by this process: rank 0 of a torchrun job nanhunt did not launch,
+    # or the parent of workers the script starts
+    job = distributed and rerun is not None and not launcher
     stop_on_term = False
-    if distributed and rerun is not None and not launcher:
-        # the job re-run by this process: rank 0 of a torchrun job nanhunt did not launch, or the
-        # parent of workers the script starts
+    if job:
         rerun = _guard(trace, "preparing the job's re-runs", ctx.job_reruns, rerun, trace) \
             or rerun
         if rerun.processes and rerun.tries > 0 and not (ctrl_c is not None and ctrl_c.pressed):
@@ -172,8 +173,7 @@ def analyse_and_report(hunt: Any, run: RunInfo, out_dir: Path, *, strict: bool =
             _write(trace, out_dir, write_reports, ("json",))
         stop_on_term = bool(rerun.nproc)  # rank 0 under torchrun: its SIGTERM stops the re-runs
     with _sigterm_interrupts(stop_on_term):
-        if distributed and rerun is not None and not launcher and locate is not None and \
-                rerun.processes and needs_locating(trace) and \
+        if job and locate is not None and rerun.processes and needs_locating(trace) and \
                 trace.run.status != "interrupted" and not (ctrl_c is not None and ctrl_c.pressed):
             if ctrl_c is not None:
                 ctrl_c.raising = True
