@@ -43,7 +43,7 @@ UPDATE_RATIO_TARGET = 1e-3
 #: an update at least this share of the weights' norm after it replaced the weights rather than
 #: nudged them (healthy steps change them by about UPDATE_RATIO_TARGET)
 UPDATE_JUMP = 0.5
-#: ... and, after the first step, grew their norm this much in one step
+#: ... and grew their norm this much in one step, to this much the largest norm of any group
 JUMP_GROWTH = 10.0
 #: ... and it is one of the last this many applied steps before the failure (a group whose small
 #: initial weights a healthy first update outgrew, long before an unrelated failure, is no cause)
